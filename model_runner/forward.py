@@ -56,3 +56,12 @@ def decode_step(runner: LoadedModel, cache: SlotKVCache, input_ids: list[int], l
         use_cache=True,
     )
     return out.logits[:, -1]
+
+
+def warm_up(runner: LoadedModel) -> None:
+    """One short prefill and decode step, so the first request does not pay for lazy kernel setup (~1 s)."""
+    spec = runner.spec
+    _, kv = prefill(runner, [0, 0])
+    cache = SlotKVCache(spec.num_layers, 1, spec.num_kv_heads, 4, spec.head_dim, runner.model.dtype, runner.device)
+    cache.load(0, kv)
+    decode_step(runner, cache, [0], [2])

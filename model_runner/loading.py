@@ -161,3 +161,42 @@ def _eos_token_ids(model_dir: Path, config: Any, generation_config_cls: Any) -> 
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model flags every worker takes."""
+
+    model: str = DEFAULT_MODEL
+    dtype: str = "float32"
+    device: str = "cpu"
+    threads: int = 0  # torch intra-op threads; 0 leaves torch's default
+    max_model_len: int = 0  # 0 = the model's own context length
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r}: expected one of {sorted(DTYPES)}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"--device {self.device!r}: expected cpu or cuda[:N]")
+        if self.threads < 0 or self.max_model_len < 0:
+            raise ValueError("--threads and --max-model-len must be >= 0")
+
+    def load(self) -> LoadedModel:
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        return load_model(resolve_model(self.model), self.dtype, self.device, self.max_model_len)
+
+
+def add_model_args(parser: Any) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument("--model", default=DEFAULT_MODEL,
+                       help=f"a local Hugging Face causal-LM directory, or {DEFAULT_MODEL!r} (default)")
+    group.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="compute and KV dtype")
+    group.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    group.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    group.add_argument("--max-model-len", type=int, default=0, help="longest sequence served (0: the model's)")
+
+
+def model_config(args: Any) -> ModelConfig:
+    return ModelConfig(model=args.model, dtype=args.dtype, device=args.device, threads=args.threads,
+                       max_model_len=args.max_model_len)

@@ -1,0 +1,148 @@
+"""The decode engine: one thread owns the model and runs a continuous batch over a slot KV cache.
+
+Sequences join between steps once their whole KV arrived, and leave between steps when finished or aborted.
+Running sequences stay packed in slots 0..B-1, so a step is one forward pass over a view of the cache.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from model_runner.forward import decode_step
+from model_runner.kv_cache import SlotKVCache
+from model_runner.loading import LoadedModel
+from model_runner.sampling import SamplingParams, sample
+
+log = logging.getLogger(__name__)
+
+# emit(new_token_ids, finish_reason): called from the engine thread; finish_reason "" while running, FAILED
+# when the engine could not continue the sequence.
+Emit = Callable[[list[int], str], None]
+FAILED = "error"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_len: int
+    max_tokens: int
+    sampling: SamplingParams
+    stop_token_ids: frozenset[int]
+    emit: Emit
+    tokens: list[int] = field(default_factory=list)  # generated so far; tokens[0] came from prefill
+
+    @property
+    def cached(self) -> int:
+        """Positions in the KV cache: the prompt and every generated token but the last (the next input)."""
+        return self.prompt_len + len(self.tokens) - 1
+
+    def finish_reason(self, max_model_len: int) -> str:
+        if self.tokens[-1] in self.stop_token_ids:
+            return "stop"
+        if len(self.tokens) >= self.max_tokens or self.cached + 1 >= max_model_len:
+            return "length"
+        return ""
+
+
+class DecodeEngine:
+    def __init__(self, runner: LoadedModel, max_seqs: int) -> None:
+        spec = runner.spec
+        self.runner = runner
+        self.max_len = spec.max_model_len
+        self.cache = SlotKVCache(spec.num_layers, max_seqs, spec.num_kv_heads, spec.max_model_len, spec.head_dim,
+                                 runner.model.dtype, runner.device)
+        self._running: list[Sequence] = []  # index = slot
+        self._joining: collections.deque[tuple[Sequence, list[tuple[torch.Tensor, torch.Tensor]]]] = collections.deque()
+        self._aborted: set[str] = set()
+        self._wake = threading.Condition()
+        self._stopped = False
+        self.steps = 0
+        self._thread = threading.Thread(target=self._loop, name="decode-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(timeout=30)
+
+    # Called from the event loop.
+    def submit(self, seq: Sequence, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        with self._wake:
+            self._joining.append((seq, kv))
+            self._wake.notify()
+
+    def abort(self, request_id: str) -> None:
+        with self._wake:
+            self._aborted.add(request_id)
+            self._wake.notify()
+
+    @property
+    def live_sequences(self) -> int:
+        with self._wake:
+            return len(self._running) + len(self._joining)
+
+    # The engine thread.
+    def _loop(self) -> None:
+        while self._wait_for_work():
+            try:
+                self._join_and_leave()
+                if self._running:
+                    self._step()
+            except Exception:  # a broken step must not strand its sequences: fail them and keep serving
+                log.exception("decode step failed; failing %d running sequences", len(self._running))
+                for seq in self._running:
+                    seq.emit([], FAILED)
+                self._running.clear()
+
+    def _wait_for_work(self) -> bool:
+        with self._wake:
+            while not (self._stopped or self._running or self._joining or self._aborted):
+                self._wake.wait()
+            return not self._stopped
+
+    def _join_and_leave(self) -> None:
+        with self._wake:
+            joining, self._joining = list(self._joining), collections.deque()
+            aborted, self._aborted = self._aborted, set()
+        for seq, kv in joining:
+            if seq.request_id in aborted:
+                continue
+            reason = seq.finish_reason(self.max_len)  # the first token may already end it
+            if reason:
+                seq.emit([], reason)
+                continue
+            self.cache.load(len(self._running), kv)
+            self._running.append(seq)
+        leaving = [slot for slot, seq in enumerate(self._running) if seq.request_id in aborted]
+        self._leave(leaving)
+
+    def _step(self) -> None:
+        running = self._running
+        logits = decode_step(self.runner, self.cache, [s.tokens[-1] for s in running], [s.cached for s in running])
+        finished = []
+        for slot, (seq, row) in enumerate(zip(running, logits)):
+            seq.tokens.append(sample(row, seq.sampling, position=seq.prompt_len + len(seq.tokens)))
+            reason = seq.finish_reason(self.max_len)
+            seq.emit(seq.tokens[-1:], reason)
+            if reason:
+                finished.append(slot)
+        self._leave(finished)
+        self.steps += 1
+
+    def _leave(self, slots: list[int]) -> None:
+        """Drop sequences, refilling each freed slot with the last running sequence (one sequence's copy)."""
+        for slot in sorted(slots, reverse=True):
+            last = len(self._running) - 1
+            if slot != last:
+                self.cache.move(last, slot, self._running[last].cached)
+                self._running[slot] = self._running[last]
+            self._running.pop()

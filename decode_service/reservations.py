@@ -1,0 +1,113 @@
+"""Reservations: the capacity a decode worker promises a request before any prefill starts.
+
+A reservation holds one sequence slot and the KV bytes of prompt + max_tokens. It lives exactly as long as the
+gateway's Generate call on this worker, and while it waits for KV it also has a lease: KV that has not fully
+arrived when the lease ends is refused and everything is freed. All methods run on the event loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import hmac
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from kv_wire.layout import KVTransferError
+from model_runner.sampling import SamplingParams
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"  # reserved; no KV yet
+    TRANSFERRING = "transferring"  # a KV stream presented the token and is arriving
+    ADMITTED = "admitted"  # KV complete and validated; the sequence is in the engine
+    CLOSED = "closed"  # finished, failed, cancelled or expired: holds nothing
+
+
+@dataclass(frozen=True)
+class DecodeParams:
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+    sampling: SamplingParams
+    ignore_eos: bool
+
+
+@dataclass(frozen=True)
+class Failure:
+    code: grpc.StatusCode
+    message: str
+
+
+@dataclass
+class Reservation:
+    params: DecodeParams
+    token: str
+    kv_bytes: int
+    expires_at: float  # time.monotonic() by which the KV must have arrived
+    phase: Phase = Phase.WAITING
+    # What the Generate stream relays: (token_ids, finish_reason) tuples or one Failure.
+    events: asyncio.Queue[tuple[list[int], str] | Failure] = field(default_factory=asyncio.Queue)
+
+    def fail(self, code: grpc.StatusCode, message: str) -> None:
+        """Push a failure to the gateway's stream at once (it frees the reservation on its way out)."""
+        if self.phase is not Phase.CLOSED:
+            self.events.put_nowait(Failure(code, message))
+
+
+class CapacityExhausted(Exception):
+    pass
+
+
+class ReservationTable:
+    def __init__(self, max_seqs: int, kv_budget_bytes: int, kv_bytes_per_token: int, lease_s: float) -> None:
+        self.max_seqs = max_seqs
+        self.kv_budget_bytes = kv_budget_bytes
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.lease_s = lease_s
+        self._live: dict[str, Reservation] = {}
+
+    def reserve(self, params: DecodeParams) -> Reservation:
+        if params.request_id in self._live:
+            raise ValueError(f"request_id {params.request_id!r} already holds a reservation here")
+        kv_bytes = (params.prompt_tokens + params.max_tokens) * self.kv_bytes_per_token
+        if len(self._live) >= self.max_seqs:
+            raise CapacityExhausted(f"all {self.max_seqs} sequence slots are reserved")
+        if self.kv_bytes + kv_bytes > self.kv_budget_bytes:
+            raise CapacityExhausted(f"KV budget: {kv_bytes} bytes needed, "
+                                    f"{self.kv_budget_bytes - self.kv_bytes} of {self.kv_budget_bytes} free")
+        reservation = Reservation(params=params, token=secrets.token_urlsafe(24), kv_bytes=kv_bytes,
+                                  expires_at=time.monotonic() + self.lease_s)
+        self._live[params.request_id] = reservation
+        return reservation
+
+    def claim(self, request_id: str, token: str) -> Reservation:
+        """The one KV stream that presents the right token takes the reservation; any other is refused."""
+        reservation = self._live.get(request_id)
+        if reservation is None or not hmac.compare_digest(reservation.token.encode(), token.encode()):
+            raise KVTransferError(grpc.StatusCode.PERMISSION_DENIED,
+                                  f"no live reservation for request {request_id!r} with this token "
+                                  "(forged, expired or already released)")
+        if reservation.phase is not Phase.WAITING:
+            raise KVTransferError(grpc.StatusCode.PERMISSION_DENIED,
+                                  f"reservation for request {request_id!r} was already used ({reservation.phase.value})")
+        if time.monotonic() >= reservation.expires_at:
+            raise KVTransferError(grpc.StatusCode.PERMISSION_DENIED,
+                                  f"reservation for request {request_id!r} expired")
+        reservation.phase = Phase.TRANSFERRING
+        return reservation
+
+    def release(self, reservation: Reservation) -> None:
+        reservation.phase = Phase.CLOSED
+        if self._live.get(reservation.params.request_id) is reservation:
+            del self._live[reservation.params.request_id]
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(r.kv_bytes for r in self._live.values())
+
+    def count(self, *phases: Phase) -> int:
+        return sum(r.phase in phases for r in self._live.values())

@@ -1,0 +1,265 @@
+"""Decode service: reserves capacity, receives a request's KV from prefill, and streams its tokens.
+
+Life of a request here:
+1. Generate arrives from the gateway: a slot and KV budget are reserved, the reservation (token + lease) is the
+   stream's first event. No capacity: RESOURCE_EXHAUSTED, nothing held.
+2. TransferKV arrives from prefill: the header must present the reservation's token; every chunk is checked
+   as it lands. Any fault refuses the stream with its status, frees the partial KV, and fails step 1's stream.
+3. The whole KV validated: the sequence joins the engine's continuous batch at the next step.
+4. Each step's token goes out on the Generate stream; eos, max_tokens or the context limit end it.
+5. The Generate call ending for any reason (done, gateway cancel, lease expiry, failure) frees everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from decode_service.engine import FAILED, DecodeEngine, Sequence
+from decode_service.reservations import (
+    CapacityExhausted,
+    DecodeParams,
+    Failure,
+    Phase,
+    Reservation,
+    ReservationTable,
+)
+from kv_wire.layout import DEFAULT_CHUNK_BYTES, KVTransferError
+from kv_wire.receiver import KVReceiver, ReceivedKV
+from model_runner.forward import warm_up
+from model_runner.loading import LoadedModel, ModelConfig, add_model_args, model_config
+from pdserve import serving
+from pdserve.serving import MAX_MESSAGE_BYTES, ServerConfig, add_server_args, server_config
+from protos import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, worker_pb2
+from protos.convert import model_info, sampling_from_pb
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    server: ServerConfig
+    model: ModelConfig
+    max_seqs: int = 8
+    kv_budget_mb: float = 0  # 0 = enough for every slot at the full context length
+    lease_s: float = 30.0
+    max_chunk_bytes: int = 4 * DEFAULT_CHUNK_BYTES
+
+    def __post_init__(self) -> None:
+        if self.max_seqs < 1:
+            raise ValueError(f"--max-seqs {self.max_seqs}: must be >= 1")
+        if self.kv_budget_mb < 0:
+            raise ValueError(f"--kv-budget-mb {self.kv_budget_mb}: must be >= 0")
+        if self.lease_s <= 0:
+            raise ValueError(f"--lease {self.lease_s}: must be > 0")
+        if not 0 < self.max_chunk_bytes <= MAX_MESSAGE_BYTES // 2:
+            raise ValueError(f"--max-chunk-bytes {self.max_chunk_bytes}: must be in (0, {MAX_MESSAGE_BYTES // 2}]")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> DecodeConfig:
+        return cls(server=server_config(args), model=model_config(args), max_seqs=args.max_seqs,
+                   kv_budget_mb=args.kv_budget_mb, lease_s=args.lease_s, max_chunk_bytes=args.max_chunk_bytes)
+
+    @staticmethod
+    def add_args(parser: argparse.ArgumentParser) -> None:
+        add_server_args(parser)
+        add_model_args(parser)
+        group = parser.add_argument_group("decode")
+        group.add_argument("--max-seqs", type=int, default=8, help="sequences decoded at once (default: %(default)s)")
+        group.add_argument("--kv-budget-mb", type=float, default=0,
+                           help="KV memory reservations may draw on (0: every slot at full context)")
+        group.add_argument("--lease", type=float, default=30.0, dest="lease_s",
+                           help="seconds a reservation waits for its KV (default: %(default)s)")
+        group.add_argument("--max-chunk-bytes", type=int, default=4 * DEFAULT_CHUNK_BYTES,
+                           help="largest KV chunk accepted (default: %(default)s)")
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, config: DecodeConfig, runner: LoadedModel) -> None:
+        spec = runner.spec
+        self.config = config
+        self.spec = spec
+        self.engine = DecodeEngine(runner, config.max_seqs)
+        full = config.max_seqs * spec.max_model_len * spec.kv_bytes_per_token
+        budget = int(config.kv_budget_mb * (1 << 20)) if config.kv_budget_mb else full
+        self.table = ReservationTable(config.max_seqs, budget, spec.kv_bytes_per_token, config.lease_s)
+
+    async def Generate(
+        self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[decode_pb2.DecodeEvent]:
+        params = await self._params(request, context)
+        try:
+            reservation = self.table.reserve(params)
+        except CapacityExhausted as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker full: {exc}")
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        try:
+            lease_ms = int(self.config.lease_s * 1000)
+            yield decode_pb2.DecodeEvent(reserved=decode_pb2.Reservation(token=reservation.token, lease_ms=lease_ms))
+            async for token_ids, reason in self._relay(reservation, context):
+                yield decode_pb2.DecodeEvent(tokens=decode_pb2.DecodedTokens(token_ids=token_ids, finish_reason=reason))
+        finally:  # done, cancelled, expired or failed: free everything this request holds
+            if reservation.phase is Phase.ADMITTED:
+                self.engine.abort(params.request_id)
+            self.table.release(reservation)
+
+    async def _relay(
+        self, reservation: Reservation, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[tuple[list[int], str]]:
+        while True:
+            if reservation.phase is Phase.ADMITTED:
+                event = await reservation.events.get()
+            else:
+                try:
+                    async with asyncio.timeout_at(_loop_time(reservation.expires_at)):
+                        event = await reservation.events.get()
+                except TimeoutError:
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                        f"KV for request {reservation.params.request_id!r} did not arrive within "
+                                        f"the {self.config.lease_s:g} s lease")
+            if isinstance(event, Failure):
+                await context.abort(event.code, event.message)
+            token_ids, reason = event
+            while not reason and not reservation.events.empty():  # coalesce tokens the client has not seen yet
+                more = reservation.events.get_nowait()
+                if isinstance(more, Failure):
+                    await context.abort(more.code, more.message)
+                token_ids, reason = token_ids + more[0], more[1]
+            if reason == FAILED:
+                await context.abort(grpc.StatusCode.INTERNAL, "decode engine failed this sequence; see worker logs")
+            yield token_ids, reason
+            if reason:
+                return
+
+    async def TransferKV(
+        self, request_iterator: AsyncIterator[kv_transfer_pb2.KVTransfer], context: grpc.aio.ServicerContext
+    ) -> kv_transfer_pb2.KVTransferAck:
+        receiver = KVReceiver(self.spec, self.config.max_chunk_bytes)
+        reservation: Reservation | None = None
+        try:
+            # A stream must present its header within the lease and finish by the reservation's expiry.
+            async with asyncio.timeout(self.config.lease_s) as deadline:
+                first = await anext(aiter(request_iterator), None)
+                if first is None or first.WhichOneof("part") != "header":
+                    raise receiver.fail(grpc.StatusCode.INVALID_ARGUMENT, "a KV stream must start with a header")
+                reservation = self.table.claim(first.header.request_id, first.header.reservation_token)
+                deadline.reschedule(_loop_time(reservation.expires_at))
+                receiver.accept_header(first.header, reservation.params.prompt_tokens)
+                received = await self._receive(request_iterator, receiver, reservation)
+        except KVTransferError as exc:
+            await self._refuse(context, reservation, receiver, exc.code, str(exc))
+        except TimeoutError:
+            await self._refuse(context, reservation, receiver, grpc.StatusCode.DEADLINE_EXCEEDED,
+                               "KV stream stalled: not complete before the reservation's lease ended")
+        except asyncio.CancelledError:  # prefill went away mid-stream: fail the reservation, then let it unwind
+            if reservation is not None:
+                reservation.fail(grpc.StatusCode.UNAVAILABLE, "KV stream from prefill was cancelled mid-transfer")
+            raise
+        self._admit(reservation, received)
+        return kv_transfer_pb2.KVTransferAck(bytes_received=receiver.bytes_received,
+                                             chunks_received=receiver.chunks_received)
+
+    async def _receive(
+        self, messages: AsyncIterator[kv_transfer_pb2.KVTransfer], receiver: KVReceiver, reservation: Reservation
+    ) -> ReceivedKV:
+        async for message in messages:
+            if reservation.phase is not Phase.TRANSFERRING:
+                raise receiver.fail(grpc.StatusCode.CANCELLED,
+                                    f"request {reservation.params.request_id!r} was released during the transfer")
+            part = message.WhichOneof("part")
+            if part == "chunk":
+                receiver.accept_chunk(message.chunk)
+            elif part == "trailer":
+                return receiver.finish(message.trailer)
+            else:
+                raise receiver.fail(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {part or 'empty'} message mid-stream")
+        raise receiver.fail(grpc.StatusCode.DATA_LOSS, "KV stream ended without a trailer")
+
+    async def _refuse(
+        self, context: grpc.aio.ServicerContext, reservation: Reservation | None, receiver: KVReceiver,
+        code: grpc.StatusCode, message: str,
+    ) -> None:
+        receiver.fail(code, message)  # drops the partial KV
+        if reservation is not None:
+            reservation.fail(code, f"KV transfer refused: {message}")
+        await context.abort(code, message)
+
+    def _admit(self, reservation: Reservation, received: ReceivedKV) -> None:
+        if reservation.phase is not Phase.TRANSFERRING:  # released while the last chunk was checked
+            return
+        params = reservation.params
+        loop = asyncio.get_running_loop()
+        events = reservation.events
+
+        def emit(token_ids: list[int], reason: str) -> None:  # engine thread -> this loop
+            loop.call_soon_threadsafe(events.put_nowait, (token_ids, reason))
+
+        seq = Sequence(
+            request_id=params.request_id,
+            prompt_len=params.prompt_tokens,
+            max_tokens=params.max_tokens,
+            sampling=params.sampling,
+            stop_token_ids=frozenset() if params.ignore_eos else frozenset(self.spec.eos_token_ids),
+            emit=emit,
+            tokens=[received.first_token],
+        )
+        reservation.phase = Phase.ADMITTED
+        self.engine.submit(seq, received.layers)
+
+    async def GetInfo(self, request: worker_pb2.WorkerInfoRequest, context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
+        return worker_pb2.WorkerInfo(
+            role="decode",
+            model=model_info(self.spec),
+            live_reservations=self.table.count(Phase.WAITING, Phase.TRANSFERRING),
+            live_sequences=self.engine.live_sequences,
+            live_kv_bytes=self.table.kv_bytes,
+            max_sequences=self.config.max_seqs,
+            kv_budget_bytes=self.table.kv_budget_bytes,
+            pid=os.getpid(),
+        )
+
+    async def _params(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext) -> DecodeParams:
+        limit = self.spec.max_model_len
+        problem = ""
+        if not request.request_id:
+            problem = "request_id is required"
+        elif request.prompt_tokens < 1:
+            problem = "prompt_tokens must be >= 1"
+        elif request.max_tokens < 1:
+            problem = "max_tokens must be >= 1"
+        elif request.prompt_tokens + request.max_tokens > limit:
+            problem = f"prompt_tokens + max_tokens = {request.prompt_tokens + request.max_tokens} exceeds {limit}"
+        try:
+            sampling = sampling_from_pb(request.sampling)
+        except ValueError as exc:
+            problem = problem or f"sampling: {exc}"
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        return DecodeParams(request.request_id, request.prompt_tokens, request.max_tokens, sampling,
+                            request.ignore_eos)
+
+
+def _loop_time(monotonic_deadline: float) -> float:
+    """Convert a time.monotonic() deadline to the event loop's clock."""
+    return asyncio.get_running_loop().time() + (monotonic_deadline - time.monotonic())
+
+
+async def serve(config: DecodeConfig) -> None:
+    runner = await asyncio.to_thread(config.model.load)
+    await asyncio.to_thread(warm_up, runner)
+    servicer = DecodeServicer(config, runner)
+    servicer.engine.start()
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
+        return [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name]
+
+    async def shutdown() -> None:
+        await asyncio.to_thread(servicer.engine.stop)
+
+    await serving.serve("decode", config.server, register, shutdown)

@@ -1,0 +1,144 @@
+"""One request's journey through the workers: reserve decode -> prefill -> first token -> KV handoff -> tokens.
+
+Yields token batches as they arrive; the caller turns them into text. Whatever ends the iteration (finish,
+error, or the caller's cancellation) cancels both worker calls, and each worker frees what it held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from gateway.request import GenerateParams
+from gateway.workers import Pool, Worker
+from protos import decode_pb2, prefill_pb2
+from protos.convert import sampling_to_pb
+
+
+class GatewayError(Exception):
+    """A request failure with the status the client should see."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class Tokens:
+    token_ids: list[int]
+    finish_reason: str = ""  # "" while more follow
+
+
+@dataclass
+class Timings:
+    """Milliseconds unless named otherwise; filled in as the journey reaches each point."""
+
+    reserve_ms: float = 0.0
+    prefill_queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    kv_exposed_ms: float = 0.0
+    kv_transfer_ms: float = 0.0
+    kv_bytes: int = 0
+
+
+def _hop_error(exc: grpc.aio.AioRpcError, hop: str, worker: Worker) -> GatewayError:
+    return GatewayError(exc.code(), f"{hop} worker {worker.address}: {exc.details()}")
+
+
+async def reserve(params: GenerateParams, pool: Pool, timeout: float | None) -> tuple[Worker, grpc.aio.UnaryStreamCall, str]:
+    """Open a Generate call on the first decode worker with room; its first event is the reservation."""
+    request = decode_pb2.DecodeRequest(
+        request_id=params.request_id, prompt_tokens=len(params.prompt_ids), max_tokens=params.max_tokens,
+        sampling=sampling_to_pb(params.sampling), ignore_eos=params.ignore_eos)
+    refusals = []
+    for worker in pool.in_turn():
+        call = worker.stub.Generate(request, timeout=timeout)
+        try:
+            event = await call.read()
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
+                raise _hop_error(exc, "decode", worker) from None
+            refusals.append(exc)
+            continue
+        if event is grpc.aio.EOF or event.WhichOneof("event") != "reserved":
+            call.cancel()
+            raise GatewayError(grpc.StatusCode.INTERNAL, f"decode worker {worker.address} sent no reservation")
+        return worker, call, event.reserved.token
+    if any(exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for exc in refusals):
+        raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           "no decode capacity: every decode worker is full; retry later")
+    raise GatewayError(grpc.StatusCode.UNAVAILABLE,
+                       "no decode worker reachable: " + "; ".join(e.details() or "" for e in refusals))
+
+
+async def run(
+    params: GenerateParams, prefill: Pool, decode: Pool, timings: Timings, timeout: float | None
+) -> AsyncIterator[Tokens]:
+    started = time.perf_counter()
+    decode_worker, decode_call, token = await reserve(params, decode, timeout)
+    timings.reserve_ms = (time.perf_counter() - started) * 1e3
+    prefill_worker = prefill.in_turn()[0]
+    prefill_call = prefill_worker.stub.Prefill(prefill_pb2.PrefillRequest(
+        request_id=params.request_id, token_ids=params.prompt_ids, sampling=sampling_to_pb(params.sampling),
+        decode_address=decode_worker.address, reservation_token=token), timeout=timeout)
+    transfer: asyncio.Future[prefill_pb2.TransferDone] | None = None
+    try:
+        first = await _prefill_event(prefill_call, prefill_worker, "first_token")
+        timings.prefill_queue_ms, timings.prefill_ms = first.first_token.queue_ms, first.first_token.forward_ms
+        yield Tokens([first.first_token.token_id])
+        transfer = asyncio.ensure_future(_prefill_event(prefill_call, prefill_worker, "transfer_done"))
+        async for tokens in _decoded(decode_call, decode_worker, transfer, timings):
+            yield tokens
+            if tokens.finish_reason:
+                break
+        if not transfer.done():  # decode may finish before prefill's acknowledgement reaches us
+            await asyncio.wait([transfer], timeout=1.0)
+        if transfer.done() and not transfer.cancelled() and transfer.exception() is None:
+            _record_transfer(timings, transfer.result())
+    finally:
+        decode_call.cancel()
+        prefill_call.cancel()
+        if transfer is not None:
+            transfer.cancel()
+
+
+async def _prefill_event(call: grpc.aio.UnaryStreamCall, worker: Worker, kind: str) -> prefill_pb2.PrefillEvent:
+    try:
+        event = await call.read()
+    except grpc.aio.AioRpcError as exc:
+        raise _hop_error(exc, "prefill", worker) from None
+    if event is grpc.aio.EOF or event.WhichOneof("event") != kind:
+        raise GatewayError(grpc.StatusCode.INTERNAL, f"prefill worker {worker.address} did not send {kind}")
+    return event
+
+
+def _record_transfer(timings: Timings, event: prefill_pb2.PrefillEvent) -> None:
+    done = event.transfer_done
+    timings.kv_exposed_ms, timings.kv_transfer_ms, timings.kv_bytes = done.exposed_ms, done.transfer_ms, done.kv_bytes
+
+
+async def _decoded(
+    call: grpc.aio.UnaryStreamCall, worker: Worker, transfer: asyncio.Future, timings: Timings
+) -> AsyncIterator[Tokens]:
+    """Decode's token events; while the KV transfer is still open, a prefill failure ends the stream at once."""
+    while True:
+        read = asyncio.ensure_future(call.read())
+        if not transfer.done():
+            await asyncio.wait([read, transfer], return_when=asyncio.FIRST_COMPLETED)
+            if transfer.done() and transfer.exception() is not None:
+                read.cancel()
+                raise transfer.exception()  # type: ignore[misc]
+            if transfer.done():
+                _record_transfer(timings, transfer.result())
+        try:
+            event = await read
+        except grpc.aio.AioRpcError as exc:
+            raise _hop_error(exc, "decode", worker) from None
+        if event is grpc.aio.EOF:
+            raise GatewayError(grpc.StatusCode.INTERNAL, f"decode worker {worker.address} ended without finishing")
+        yield Tokens(list(event.tokens.token_ids), event.tokens.finish_reason)

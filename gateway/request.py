@@ -1,0 +1,79 @@
+"""A client's GenerateRequest, checked field by field and turned into plain parameters."""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from model_runner.sampling import SamplingParams
+from protos import gateway_pb2
+
+DEFAULT_MAX_TOKENS = 128
+MAX_REQUEST_ID_CHARS = 128
+MAX_STOP_STRINGS = 16
+
+
+class InvalidRequest(ValueError):
+    """A request the gateway refuses; the message names the field."""
+
+
+@dataclass(frozen=True)
+class GenerateParams:
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: list[str]
+    ignore_eos: bool
+
+
+def parse_request(
+    request: gateway_pb2.GenerateRequest, tokenizer: Any, vocab_size: int, max_model_len: int
+) -> GenerateParams:
+    has_prompt, has_ids = bool(request.prompt), bool(request.token_ids)
+    if has_prompt == has_ids:
+        raise InvalidRequest("give exactly one of prompt and token_ids" if has_prompt
+                             else "prompt is empty: give a non-empty prompt or token_ids")
+    if has_prompt:
+        prompt_ids = list(tokenizer(request.prompt).input_ids)
+        if not prompt_ids:
+            raise InvalidRequest("prompt tokenizes to no tokens")
+    else:
+        prompt_ids = list(request.token_ids)
+        bad = next((i for i, t in enumerate(prompt_ids) if t >= vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"token_ids[{bad}] = {prompt_ids[bad]} is outside the vocabulary (size {vocab_size})")
+    room = max_model_len - len(prompt_ids)
+    if room < 1:
+        raise InvalidRequest(f"prompt is {len(prompt_ids)} tokens; the model's context is {max_model_len} tokens "
+                             "and needs room for at least one generated token")
+    if request.HasField("max_tokens"):
+        max_tokens = request.max_tokens
+        if max_tokens < 1:
+            raise InvalidRequest("max_tokens must be >= 1")
+        if max_tokens > room:
+            raise InvalidRequest(f"max_tokens = {max_tokens} exceeds the {room} tokens the context leaves after a "
+                                 f"{len(prompt_ids)}-token prompt (context {max_model_len})")
+    else:
+        max_tokens = min(DEFAULT_MAX_TOKENS, room)
+    temperature = request.temperature if request.HasField("temperature") else 1.0
+    if not 0 <= temperature <= 2:  # also refuses NaN
+        raise InvalidRequest(f"temperature = {temperature} is outside [0, 2]")
+    top_p = request.top_p if request.HasField("top_p") else 1.0
+    if not 0 < top_p <= 1:
+        raise InvalidRequest(f"top_p = {top_p} is outside (0, 1]")
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
+    if len(request.stop) > MAX_STOP_STRINGS or any(not s for s in request.stop):
+        raise InvalidRequest(f"stop: at most {MAX_STOP_STRINGS} non-empty strings")
+    seed = request.seed if request.HasField("seed") else secrets.randbits(63)
+    return GenerateParams(
+        request_id=request.request_id or uuid.uuid4().hex,
+        prompt_ids=prompt_ids,
+        max_tokens=max_tokens,
+        sampling=SamplingParams(temperature=temperature, top_p=top_p, top_k=request.top_k, seed=seed),
+        stop=list(request.stop),
+        ignore_eos=request.ignore_eos,
+    )

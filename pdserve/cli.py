@@ -1,0 +1,122 @@
+"""The `pdserve` command: run a local cluster, or stream a completion from a running gateway."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import grpc
+
+from model_runner.loading import DEFAULT_MODEL, DTYPES
+
+DEMO_PROMPT = "<|im_start|>user\nExplain in two sentences why the sky is blue.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated LLM serving: prefill and decode as "
+                                     "separate gRPC services, the KV cache streamed between them.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    cluster = commands.add_parser("cluster", help="start a gateway, prefill and decode workers on this host",
+                                  description="Start a gateway, --prefill N and --decode M workers as local processes, "
+                                  "wait until all are healthy, print one JSON line with their addresses and pids, "
+                                  "and serve until SIGINT/SIGTERM.")
+    cluster.add_argument("--prefill", type=int, default=1, help="prefill workers (default: %(default)s)")
+    cluster.add_argument("--decode", type=int, default=1, help="decode workers (default: %(default)s)")
+    cluster.add_argument("--model", default=DEFAULT_MODEL, help="model directory or %(default)r")
+    cluster.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    cluster.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    cluster.add_argument("--host", default="127.0.0.1", help="address every service listens on")
+    cluster.add_argument("--port", type=int, default=0, help="gateway port (default: a free port)")
+    cluster.add_argument("--prefill-ports", default="", help="comma-separated ports for the prefill workers")
+    cluster.add_argument("--decode-ports", default="", help="comma-separated ports for the decode workers")
+    cluster.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: cores / workers)")
+    cluster.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
+                         help="extra flag passed to every worker, e.g. --worker-arg=--max-seqs=16")
+    cluster.add_argument("--demo", nargs="?", const=DEMO_PROMPT, default=None, metavar="PROMPT",
+                         help="once healthy, stream one completion with its timing breakdown")
+    cluster.set_defaults(run=_cluster)
+
+    generate = commands.add_parser("generate", help="stream a completion from a running gateway",
+                                   description="Stream a completion for PROMPT from a gateway to the terminal.")
+    generate.add_argument("prompt")
+    generate.add_argument("--address", default="127.0.0.1:50051", help="gateway host:port (default: %(default)s)")
+    generate.add_argument("--max-tokens", type=int, default=None)
+    generate.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: 1)")
+    generate.add_argument("--top-p", type=float, default=None)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    generate.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    generate.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    generate.set_defaults(run=_generate)
+
+    args = parser.parse_args(argv)
+    sys.exit(args.run(args, parser))
+
+
+def _ports(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split(",") if p.strip())
+
+
+def _cluster(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from pdserve.cluster import ClusterConfig, serve_until_signal, start
+
+    try:
+        config = ClusterConfig(prefill=args.prefill, decode=args.decode, model=args.model, dtype=args.dtype,
+                               device=args.device, host=args.host, gateway_port=args.port,
+                               prefill_ports=_ports(args.prefill_ports), decode_ports=_ports(args.decode_ports),
+                               threads=args.threads, worker_args=tuple(args.worker_arg))
+    except ValueError as exc:
+        parser.error(str(exc))
+    cluster = start(config)
+    print(json.dumps(cluster.summary()), flush=True)
+    if args.demo:
+        print(f"demo prompt: {args.demo!r}", file=sys.stderr, flush=True)
+        _stream_to_terminal(cluster.gateway.address, {"prompt": args.demo, "max_tokens": 64, "temperature": 0.0})
+        print(f"serving; try: pdserve generate --address {cluster.gateway.address} \"Hello\"   (Ctrl-C stops)",
+              file=sys.stderr, flush=True)
+    serve_until_signal(cluster)
+    return 0
+
+
+def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    fields: dict[str, object] = {"prompt": args.prompt, "stop": args.stop}
+    for name in ("max_tokens", "temperature", "top_p", "seed"):
+        if getattr(args, name) is not None:
+            fields[name] = getattr(args, name)
+    try:
+        if args.json:
+            from pdserve.client import generate
+
+            completion = generate(args.address, args.timeout, **fields)
+            print(json.dumps({"request_id": completion.request_id, "text": completion.text,
+                              "token_ids": completion.token_ids, "finish_reason": completion.finish_reason,
+                              "usage": {"prompt_tokens": completion.usage.prompt_tokens,
+                                        "completion_tokens": completion.usage.completion_tokens}
+                              if completion.usage else None}))
+        else:
+            _stream_to_terminal(args.address, fields, args.timeout)
+    except grpc.RpcError as exc:
+        print(f"pdserve generate: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+        return 1
+    return 0
+
+
+def _stream_to_terminal(address: str, fields: dict[str, object], timeout: float | None = None) -> None:
+    from pdserve.client import stream
+
+    for response in stream(address, timeout, **fields):
+        sys.stdout.write(response.text)
+        sys.stdout.flush()
+        if response.finish_reason:
+            t, u = response.timing, response.usage
+            print(f"\n[{response.finish_reason}] {u.prompt_tokens} prompt + {u.completion_tokens} generated tokens | "
+                  f"TTFT {t.ttft_ms:.0f} ms (reserve {t.reserve_ms:.1f}, prefill queue {t.prefill_queue_ms:.1f}, "
+                  f"prefill {t.prefill_ms:.0f}) | KV {t.kv_bytes / 1e6:.2f} MB in {t.kv_transfer_ms:.1f} ms "
+                  f"({t.kv_exposed_ms:.1f} ms exposed) | decode {t.decode_tokens_per_s:.1f} tok/s | "
+                  f"total {t.total_ms:.0f} ms", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""`pdserve cluster`: a gateway, N prefill and M decode workers as local processes on loopback."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from model_runner.loading import DEFAULT_MODEL, DTYPES, resolve_model
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    prefill: int = 1
+    decode: int = 1
+    model: str = DEFAULT_MODEL
+    dtype: str = "float32"
+    device: str = "cpu"
+    host: str = "127.0.0.1"
+    gateway_port: int = 0
+    prefill_ports: tuple[int, ...] = ()
+    decode_ports: tuple[int, ...] = ()
+    threads: int = 0  # per worker; 0 = the host's cores shared out evenly
+    worker_args: tuple[str, ...] = ()  # extra flags for every worker
+    startup_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.prefill < 1 or self.decode < 1:
+            raise ValueError("--prefill and --decode must be >= 1")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r}: expected one of {sorted(DTYPES)}")
+        for name, ports, count in (("prefill", self.prefill_ports, self.prefill), ("decode", self.decode_ports, self.decode)):
+            if ports and len(ports) != count:
+                raise ValueError(f"--{name}-ports: {len(ports)} ports for {count} workers")
+
+    @property
+    def threads_per_worker(self) -> int:
+        return self.threads or max(1, (os.cpu_count() or 1) // (self.prefill + self.decode))
+
+
+@dataclass
+class Service:
+    role: str
+    process: subprocess.Popen
+    address: str = ""
+
+    def summary(self) -> dict[str, object]:
+        return {"address": self.address, "pid": self.process.pid}
+
+
+@dataclass
+class Cluster:
+    gateway: Service
+    prefill: list[Service] = field(default_factory=list)
+    decode: list[Service] = field(default_factory=list)
+
+    @property
+    def services(self) -> list[Service]:
+        return [self.gateway, *self.prefill, *self.decode]
+
+    def summary(self) -> dict[str, object]:
+        return {"gateway": self.gateway.summary(), "prefill": [s.summary() for s in self.prefill],
+                "decode": [s.summary() for s in self.decode]}
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Gateway first (stop taking requests), then the workers; anything still alive after `grace_s` is killed."""
+        stop_all([self.gateway], grace_s)
+        stop_all([*self.prefill, *self.decode], grace_s)
+
+
+def stop_all(services: list[Service], grace_s: float) -> None:
+    for service in services:
+        if service.process.poll() is None:
+            service.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for service in services:
+        try:
+            service.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            service.process.kill()
+            service.process.wait()
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: if the cluster process dies (even by SIGKILL), the kernel ends the child."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _spawn(role: str, module: str, args: list[str]) -> Service:
+    process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, text=True,
+                               preexec_fn=_die_with_parent)
+    return Service(role, process)
+
+
+def _await_ready(services: list[Service], deadline: float) -> None:
+    """Each service prints one JSON line with its address once it serves."""
+    waiting = {s.process.stdout.fileno(): s for s in services if s.process.stdout}
+    while waiting:
+        for service in waiting.values():
+            if service.process.poll() is not None:
+                raise RuntimeError(f"{service.role} worker exited with code {service.process.returncode} while starting")
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"{len(waiting)} services not ready in time: {[s.role for s in waiting.values()]}")
+        ready, _, _ = select.select(list(waiting), [], [], min(remaining, 1.0))
+        for fd in ready:
+            service = waiting.pop(fd)
+            line = service.process.stdout.readline() if service.process.stdout else ""
+            if not line:
+                waiting[fd] = service  # EOF: the next poll() reports the exit
+                continue
+            service.address = json.loads(line)["address"]
+
+
+def wait_healthy(address: str, timeout_s: float) -> None:
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=2, wait_for_ready=True)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{address} did not report SERVING")
+            time.sleep(0.2)
+
+
+def start(config: ClusterConfig) -> Cluster:
+    model_dir = str(resolve_model(config.model))  # convert the default model once, before workers race for it
+    deadline = time.monotonic() + config.startup_timeout_s
+    worker_flags = ["--host", config.host, "--model", model_dir, "--dtype", config.dtype, "--device", config.device,
+                    "--threads", str(config.threads_per_worker), *config.worker_args]
+    workers: list[Service] = []
+    try:
+        for role, module, count, ports in (("prefill", "prefill_service", config.prefill, config.prefill_ports),
+                                           ("decode", "decode_service", config.decode, config.decode_ports)):
+            for i in range(count):
+                port = ports[i] if ports else 0
+                workers.append(_spawn(role, module, [*worker_flags, "--port", str(port)]))
+        _await_ready(workers, deadline)
+        prefill = [w for w in workers if w.role == "prefill"]
+        decode = [w for w in workers if w.role == "decode"]
+        gateway_args = ["--host", config.host, "--port", str(config.gateway_port), "--model", model_dir]
+        gateway_args += [f"--prefill={w.address}" for w in prefill] + [f"--decode={w.address}" for w in decode]
+        gateway = _spawn("gateway", "gateway", gateway_args)
+        workers.append(gateway)
+        _await_ready([gateway], deadline)
+        cluster = Cluster(gateway, prefill, decode)
+        for service in cluster.services:
+            wait_healthy(service.address, max(1.0, deadline - time.monotonic()))
+        return cluster
+    except BaseException:
+        stop_all(workers, grace_s=5)
+        raise
+
+
+def serve_until_signal(cluster: Cluster) -> None:
+    """Block until SIGINT/SIGTERM or the gateway's exit, then stop everything. A dead worker is reported, and
+    the rest keep serving."""
+    stopping: list[int] = []
+    reported: set[int] = set()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stopping.append(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not stopping and cluster.gateway.process.poll() is None:
+            for service in cluster.services:
+                if service.process.poll() is not None and service.process.pid not in reported:
+                    reported.add(service.process.pid)
+                    print(f"pdserve cluster: {service.role} {service.address} (pid {service.process.pid}) exited "
+                          f"with code {service.process.returncode}", file=sys.stderr, flush=True)
+            time.sleep(0.2)
+    finally:
+        cluster.stop()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

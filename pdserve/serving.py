@@ -1,0 +1,103 @@
+"""How every pdserve process serves gRPC: one asyncio server with health, reflection, limits and ordered shutdown."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+MAX_MESSAGE_BYTES = 8 << 20  # KV chunks are 1 MiB by default; anything near this limit is malformed
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = a free port, reported on stdout once serving
+    grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port {self.port}: expected 0..65535")
+        if self.grace_s < 0:
+            raise ValueError(f"--grace {self.grace_s}: must be >= 0")
+
+
+def add_server_args(parser: argparse.ArgumentParser, default_port: int = 0) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback)")
+    group.add_argument("--port", type=int, default=default_port, help="port; 0 picks a free one (default: %(default)s)")
+    group.add_argument("--grace", type=float, default=5.0, dest="grace_s",
+                       help="seconds in-flight calls get to finish on SIGTERM (default: %(default)s)")
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(host=args.host, port=args.port, grace_s=args.grace_s)
+
+
+def configure_logging() -> None:
+    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+async def serve(
+    role: str,
+    config: ServerConfig,
+    register: Callable[[grpc.aio.Server], list[str]],
+    on_shutdown: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Run a gRPC server until SIGINT/SIGTERM.
+
+    `register` adds the servicers and returns their full service names. Once serving, one JSON line
+    {"role", "address", "pid"} goes to stdout: `pdserve cluster` and the tests read it to learn a free port.
+    Shutdown is ordered: health turns NOT_SERVING, new calls are refused, in-flight calls get `grace_s`, then
+    `on_shutdown` releases what the service holds.
+    """
+    options = [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.aio.server(options=options)
+    services = register(server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection([*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                         reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise SystemExit(f"{role}: cannot listen on {config.host}:{config.port}")
+    await server.start()
+    for name in ["", *services]:
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    address = f"{config.host}:{port}"
+    print(json.dumps({"role": role, "address": address, "pid": os.getpid()}), flush=True)
+    logging.getLogger(role).info("serving on %s", address)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    serving = asyncio.ensure_future(server.wait_for_termination())
+    await asyncio.wait([serving, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    await health.enter_graceful_shutdown()
+    await server.stop(config.grace_s)
+    if on_shutdown is not None:
+        await on_shutdown()
+    logging.getLogger(role).info("stopped")
+
+
+def run(main: Awaitable[None]) -> None:
+    import uvloop
+
+    uvloop.run(main)  # type: ignore[arg-type]

@@ -1,0 +1,207 @@
+"""Prefill service: runs a prompt's forward pass and pushes its KV to the decode worker holding the reservation.
+
+Life of a request here:
+1. Prefill arrives from the gateway with the prompt's token ids and a decode reservation (address + token).
+2. It waits in a FIFO queue for the one thread that owns the model.
+3. The forward pass runs; as each layer finishes, its KV is handed to the event loop, which streams it to the
+   decode worker (TransferKV: header, chunks, ...) while later layers still compute.
+4. The first token is sampled from the last position and sent to the gateway at once (TTFT does not wait for
+   the transfer); the KV stream is closed with a trailer that carries it.
+5. Decode acknowledges: the call ends with TransferDone. A refused transfer ends the call with decode's status;
+   a cancelled call stops the forward pass at the next layer and sends nothing more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import threading
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from kv_wire.layout import DEFAULT_CHUNK_BYTES, KVLayout
+from kv_wire.sender import KVSender, encode_stream
+from model_runner import forward
+from model_runner.loading import LoadedModel, ModelConfig, add_model_args, model_config
+from model_runner.sampling import SamplingParams, sample
+from pdserve import serving
+from pdserve.serving import MAX_MESSAGE_BYTES, ServerConfig, add_server_args, server_config
+from protos import decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, worker_pb2
+from protos.convert import model_info, sampling_from_pb
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    server: ServerConfig
+    model: ModelConfig
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+
+    def __post_init__(self) -> None:
+        if not 0 < self.chunk_bytes <= MAX_MESSAGE_BYTES // 2:
+            raise ValueError(f"--chunk-bytes {self.chunk_bytes}: must be in (0, {MAX_MESSAGE_BYTES // 2}]")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> PrefillConfig:
+        return cls(server=server_config(args), model=model_config(args), chunk_bytes=args.chunk_bytes)
+
+    @staticmethod
+    def add_args(parser: argparse.ArgumentParser) -> None:
+        add_server_args(parser)
+        add_model_args(parser)
+        group = parser.add_argument_group("prefill")
+        group.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
+                           help="KV bytes per transfer message (default: %(default)s)")
+
+
+class _Abandoned(Exception):
+    """Raised inside the forward pass (at a layer boundary) when the request no longer wants it."""
+
+
+class _KVPush:
+    """One request's KV on its way to decode: the stream opens with the first layer and closes with the trailer."""
+
+    def __init__(self, stub: decode_pb2_grpc.DecodeStub, sender: KVSender, abandon: threading.Event) -> None:
+        self._stub, self.sender, self._abandon = stub, sender, abandon
+        self._items: asyncio.Queue[tuple[int, torch.Tensor, torch.Tensor] | int] = asyncio.Queue()
+        self.call: asyncio.Future | None = None
+        self.started_at = 0.0
+
+    def deliver(self, item: tuple[int, torch.Tensor, torch.Tensor] | int) -> None:
+        """A finished layer (or the first token, which closes the stream). Runs on the event loop."""
+        if self.call is None:
+            self.started_at = time.perf_counter()
+            self.call = asyncio.ensure_future(self._stub.TransferKV(encode_stream(self.sender, self._drain())))
+            # A refused transfer stops the forward pass at its next layer instead of computing for nothing.
+            self.call.add_done_callback(lambda call: call.cancelled() or call.exception() and self._abandon.set())
+        self._items.put_nowait(item)
+
+    async def _drain(self) -> AsyncIterator[tuple[int, torch.Tensor, torch.Tensor] | int]:
+        while True:
+            item = await self._items.get()
+            yield item
+            if isinstance(item, int):
+                return
+
+    def cancel(self) -> None:
+        if self.call is not None and not self.call.done():
+            self.call.cancel()
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, config: PrefillConfig, runner: LoadedModel) -> None:
+        self.config = config
+        self.runner = runner
+        self.spec = runner.spec
+        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-model")
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._in_flight = 0
+        self._pending_kv_bytes = 0
+
+    async def Prefill(
+        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[prefill_pb2.PrefillEvent]:
+        token_ids, sampling = await self._validate(request, context)
+        loop = asyncio.get_running_loop()
+        spec = self.spec
+        layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, len(token_ids), spec.dtype)
+        sender = KVSender(request.request_id, request.reservation_token, spec.fingerprint, layout,
+                          self.config.chunk_bytes)
+        abandon = threading.Event()
+        push = _KVPush(decode_pb2_grpc.DecodeStub(self._channel(request.decode_address)), sender, abandon)
+
+        def on_layer(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:  # model thread
+            if abandon.is_set():
+                raise _Abandoned
+            loop.call_soon_threadsafe(push.deliver, (layer, keys, values))
+
+        def run_forward() -> tuple[int, float, float]:  # model thread
+            started = time.perf_counter()
+            logits, _ = forward.prefill(self.runner, token_ids, on_layer)
+            first = sample(logits, sampling, position=len(token_ids))
+            return first, started, time.perf_counter()
+
+        arrived = time.perf_counter()
+        self._in_flight += 1
+        self._pending_kv_bytes += layout.total_bytes
+        try:
+            try:
+                first, started, ended = await loop.run_in_executor(self._model_thread, run_forward)
+            except _Abandoned:
+                await self._transfer_result(push, request.decode_address, context)  # raises decode's refusal
+                raise
+            yield prefill_pb2.PrefillEvent(first_token=prefill_pb2.FirstToken(
+                token_id=first, queue_ms=(started - arrived) * 1e3, forward_ms=(ended - started) * 1e3))
+            push.deliver(first)
+            await self._transfer_result(push, request.decode_address, context)
+            done = time.perf_counter()
+            yield prefill_pb2.PrefillEvent(transfer_done=prefill_pb2.TransferDone(
+                kv_bytes=sender.bytes_sent, chunks=sender.chunks_sent,
+                exposed_ms=(done - ended) * 1e3, transfer_ms=(done - push.started_at) * 1e3))
+        finally:  # finished, cancelled or failed: stop computing, stop sending
+            abandon.set()
+            push.cancel()
+            self._in_flight -= 1
+            self._pending_kv_bytes -= layout.total_bytes
+
+    async def _transfer_result(self, push: _KVPush, address: str, context: grpc.aio.ServicerContext) -> None:
+        assert push.call is not None
+        try:
+            await push.call
+        except grpc.aio.AioRpcError as exc:
+            await context.abort(exc.code(), f"KV transfer to decode worker {address} failed: {exc.details()}")
+
+    async def _validate(
+        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> tuple[list[int], SamplingParams]:
+        token_ids = list(request.token_ids)
+        problem = ""
+        if not token_ids:
+            problem = "token_ids must not be empty"
+        elif len(token_ids) >= self.spec.max_model_len:
+            problem = f"token_ids: {len(token_ids)} tokens leave no room in the {self.spec.max_model_len}-token context"
+        elif max(token_ids) >= self.spec.vocab_size:
+            problem = f"token_ids: {max(token_ids)} is outside the vocabulary (size {self.spec.vocab_size})"
+        elif not request.decode_address or not request.reservation_token:
+            problem = "decode_address and reservation_token are required"
+        try:
+            sampling = sampling_from_pb(request.sampling)
+        except ValueError as exc:
+            problem = problem or f"sampling: {exc}"
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        return token_ids, sampling
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address, options=[
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ])
+        return self._channels[address]
+
+    async def GetInfo(self, request: worker_pb2.WorkerInfoRequest, context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
+        return worker_pb2.WorkerInfo(role="prefill", model=model_info(self.spec), live_sequences=self._in_flight,
+                                     live_kv_bytes=self._pending_kv_bytes, pid=os.getpid())
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._model_thread.shutdown(wait=True, cancel_futures=True)
+
+
+async def serve(config: PrefillConfig) -> None:
+    runner = await asyncio.to_thread(config.model.load)
+    await asyncio.to_thread(forward.warm_up, runner)
+    servicer = PrefillServicer(config, runner)
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
+        return [prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name]
+
+    await serving.serve("prefill", config.server, register, servicer.close)

@@ -1,0 +1,26 @@
+"""Protobuf <-> plain types for the messages both worker pools share. Protobuf stops at the servicers."""
+
+from __future__ import annotations
+
+from model_runner.loading import ModelSpec
+from model_runner.sampling import SamplingParams
+from protos import worker_pb2
+
+
+def sampling_from_pb(message: worker_pb2.SamplingParams) -> SamplingParams:
+    """Raises ValueError naming the field that is out of range."""
+    return SamplingParams(temperature=message.temperature, top_p=message.top_p, top_k=message.top_k,
+                          seed=message.seed)
+
+
+def sampling_to_pb(params: SamplingParams) -> worker_pb2.SamplingParams:
+    return worker_pb2.SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                                     seed=params.seed)
+
+
+def model_info(spec: ModelSpec) -> worker_pb2.ModelInfo:
+    return worker_pb2.ModelInfo(
+        name=spec.name, fingerprint=spec.fingerprint, dtype=spec.dtype, num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, vocab_size=spec.vocab_size,
+        max_model_len=spec.max_model_len, eos_token_ids=list(spec.eos_token_ids),
+    )
