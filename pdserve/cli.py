@@ -32,8 +32,10 @@ def main(argv: list[str] | None = None) -> None:
     cluster.add_argument("--prefill-ports", default="", help="comma-separated ports for the prefill workers")
     cluster.add_argument("--decode-ports", default="", help="comma-separated ports for the decode workers")
     cluster.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: cores / workers)")
-    cluster.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
-                         help="extra flag passed to every worker, e.g. --worker-arg=--max-seqs=16")
+    cluster.add_argument("--prefill-arg", action="append", default=[], metavar="FLAG",
+                         help="extra flag for every prefill worker, e.g. --prefill-arg=--chunk-bytes=262144")
+    cluster.add_argument("--decode-arg", action="append", default=[], metavar="FLAG",
+                         help="extra flag for every decode worker, e.g. --decode-arg=--max-seqs=16")
     cluster.add_argument("--demo", nargs="?", const=DEMO_PROMPT, default=None, metavar="PROMPT",
                          help="once healthy, stream one completion with its timing breakdown")
     cluster.set_defaults(run=_cluster)
@@ -66,7 +68,8 @@ def _cluster(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         config = ClusterConfig(prefill=args.prefill, decode=args.decode, model=args.model, dtype=args.dtype,
                                device=args.device, host=args.host, gateway_port=args.port,
                                prefill_ports=_ports(args.prefill_ports), decode_ports=_ports(args.decode_ports),
-                               threads=args.threads, worker_args=tuple(args.worker_arg))
+                               threads=args.threads, prefill_args=tuple(args.prefill_arg),
+                               decode_args=tuple(args.decode_arg))
     except ValueError as exc:
         parser.error(str(exc))
     cluster = start(config)

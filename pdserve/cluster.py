@@ -30,7 +30,8 @@ class ClusterConfig:
     prefill_ports: tuple[int, ...] = ()
     decode_ports: tuple[int, ...] = ()
     threads: int = 0  # per worker; 0 = the host's cores shared out evenly
-    worker_args: tuple[str, ...] = ()  # extra flags for every worker
+    prefill_args: tuple[str, ...] = ()  # extra flags for every prefill worker
+    decode_args: tuple[str, ...] = ()  # extra flags for every decode worker
     startup_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
@@ -142,14 +143,14 @@ def start(config: ClusterConfig) -> Cluster:
     model_dir = str(resolve_model(config.model))  # convert the default model once, before workers race for it
     deadline = time.monotonic() + config.startup_timeout_s
     worker_flags = ["--host", config.host, "--model", model_dir, "--dtype", config.dtype, "--device", config.device,
-                    "--threads", str(config.threads_per_worker), *config.worker_args]
+                    "--threads", str(config.threads_per_worker)]
     workers: list[Service] = []
     try:
-        for role, module, count, ports in (("prefill", "prefill_service", config.prefill, config.prefill_ports),
-                                           ("decode", "decode_service", config.decode, config.decode_ports)):
+        for role, count, ports, extra in (("prefill", config.prefill, config.prefill_ports, config.prefill_args),
+                                          ("decode", config.decode, config.decode_ports, config.decode_args)):
             for i in range(count):
                 port = ports[i] if ports else 0
-                workers.append(_spawn(role, module, [*worker_flags, "--port", str(port)]))
+                workers.append(_spawn(role, f"{role}_service", [*worker_flags, *extra, "--port", str(port)]))
         _await_ready(workers, deadline)
         prefill = [w for w in workers if w.role == "prefill"]
         decode = [w for w in workers if w.role == "decode"]

@@ -1,0 +1,164 @@
+"""Gateway -> prefill -> KV transfer -> decode, as real processes, on the tiny random model."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from pdserve.client import generate, stream
+from pdserve.cluster import Cluster
+from tests.conftest import assert_nothing_held
+
+PROMPTS = [
+    "Hi",
+    "The capital of France is",
+    "Write a short poem about the sea, the wind, and the long night of the northern winter.",
+    "def fibonacci(n):\n    " * 12,
+]
+
+
+def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Reference: Hugging Face generate, greedy, same model and dtype."""
+    model = _hf_model(model_dir)
+    output = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
+    return output[0, len(prompt_ids):].tolist()
+
+
+_models: dict[Path, torch.nn.Module] = {}
+
+
+def _hf_model(model_dir: Path) -> torch.nn.Module:
+    if model_dir not in _models:
+        _models[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return _models[model_dir]
+
+
+@pytest.fixture(autouse=True)
+def leak_check(tiny_cluster: Cluster):
+    yield
+    assert_nothing_held(tiny_cluster)
+
+
+def test_greedy_matches_hugging_face_for_concurrent_prompts(tiny_cluster: Cluster, tiny_model_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    address = tiny_cluster.gateway.address
+    max_tokens = 24
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        completions = list(pool.map(
+            lambda p: generate(address, timeout=60, prompt=p, max_tokens=max_tokens, temperature=0.0), PROMPTS))
+    for prompt, completion in zip(PROMPTS, completions):
+        prompt_ids = tokenizer(prompt).input_ids
+        expected = hf_greedy(tiny_model_dir, prompt_ids, max_tokens)
+        assert completion.token_ids == expected, prompt
+        assert completion.text == tokenizer.decode(expected, skip_special_tokens=True)
+        assert completion.finish_reason == ("stop" if expected[-1] == 2 else "length")
+        assert completion.usage.prompt_tokens == len(prompt_ids)
+        assert completion.usage.completion_tokens == len(expected)
+        assert completion.timing.kv_bytes > 0 and completion.timing.ttft_ms > 0
+
+
+def test_token_ids_prompt_gives_same_tokens_as_text_prompt(tiny_cluster: Cluster, tiny_model_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    address = tiny_cluster.gateway.address
+    by_text = generate(address, timeout=60, prompt=PROMPTS[2], max_tokens=8, temperature=0.0)
+    by_ids = generate(address, timeout=60, token_ids=tokenizer(PROMPTS[2]).input_ids, max_tokens=8, temperature=0.0)
+    assert by_ids.token_ids == by_text.token_ids
+
+
+def test_streams_token_by_token_and_text_joins_to_decoded_output(tiny_cluster: Cluster, tiny_model_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    responses = list(stream(tiny_cluster.gateway.address, timeout=60, prompt="Once upon a time", max_tokens=16,
+                            temperature=0.0, ignore_eos=True))
+    assert len(responses) > 2  # streamed, not one message at the end
+    assert all(r.finish_reason == "" for r in responses[:-1]) and responses[-1].finish_reason == "length"
+    token_ids = [t for r in responses for t in r.token_ids]
+    assert len(token_ids) == 16
+    assert "".join(r.text for r in responses) == tokenizer.decode(token_ids, skip_special_tokens=True)
+    assert len({r.request_id for r in responses}) == 1
+
+
+def test_seeded_sampling_is_reproducible(tiny_cluster: Cluster) -> None:
+    address = tiny_cluster.gateway.address
+    runs = [generate(address, timeout=60, prompt="Tell me a story", max_tokens=12, temperature=1.0, top_p=0.9,
+                     seed=1234, ignore_eos=True) for _ in range(2)]
+    other = generate(address, timeout=60, prompt="Tell me a story", max_tokens=12, temperature=1.0, top_p=0.9,
+                     seed=99, ignore_eos=True)
+    assert runs[0].token_ids == runs[1].token_ids
+    assert other.token_ids != runs[0].token_ids
+
+
+def test_stop_string_ends_the_completion_before_it(tiny_cluster: Cluster) -> None:
+    address = tiny_cluster.gateway.address
+    full = generate(address, timeout=60, prompt="The capital of France is", max_tokens=24, temperature=0.0,
+                    ignore_eos=True)
+    stop = full.text[len(full.text) // 2 :][:3]
+    assert stop.strip(), f"need a visible stop string from {full.text!r}"
+    stopped = generate(address, timeout=60, prompt="The capital of France is", max_tokens=24, temperature=0.0,
+                       ignore_eos=True, stop=[stop])
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == full.text[: full.text.index(stop)]
+    assert len(stopped.token_ids) < len(full.token_ids)
+
+
+def test_max_tokens_one_and_request_id_echo(tiny_cluster: Cluster) -> None:
+    completion = generate(tiny_cluster.gateway.address, timeout=60, prompt="Hello", max_tokens=1, temperature=0.0,
+                          request_id="my-request-1")
+    assert completion.request_id == "my-request-1"
+    assert len(completion.token_ids) == 1
+    assert completion.finish_reason in ("length", "stop")
+
+
+BAD_REQUESTS = [
+    ({"prompt": ""}, "prompt"),
+    ({}, "prompt"),
+    ({"prompt": "hi", "token_ids": [1, 2]}, "prompt and token_ids"),
+    ({"token_ids": [1, 49152]}, "token_ids[1]"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 100000}, "max_tokens"),
+    ({"token_ids": [5] * 600}, "prompt is 600 tokens"),
+    ({"prompt": "hi", "temperature": -0.5}, "temperature"),
+    ({"prompt": "hi", "temperature": 2.5}, "temperature"),
+    ({"prompt": "hi", "temperature": float("nan")}, "temperature"),
+    ({"prompt": "hi", "top_p": 0.0}, "top_p"),
+    ({"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ({"prompt": "hi", "request_id": "x" * 200}, "request_id"),
+    ({"prompt": "hi", "stop": [""]}, "stop"),
+]
+
+
+@pytest.mark.parametrize(("fields", "named"), BAD_REQUESTS, ids=[str(f)[:40] for f, _ in BAD_REQUESTS])
+def test_bad_input_is_refused_with_invalid_argument_and_service_keeps_serving(
+    tiny_cluster: Cluster, fields: dict, named: str
+) -> None:
+    address = tiny_cluster.gateway.address
+    with pytest.raises(grpc.RpcError) as refused:
+        generate(address, timeout=30, **fields)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert named in refused.value.details()
+    ok = generate(address, timeout=60, prompt="Hello there", max_tokens=4, temperature=0.0)
+    assert len(ok.token_ids) >= 1 and ok.finish_reason
+
+
+def test_cancelling_mid_stream_frees_every_worker(tiny_cluster: Cluster) -> None:
+    # 1. start a long completion and read a few pieces
+    responses = stream(tiny_cluster.gateway.address, timeout=60, prompt="Count to one thousand:", max_tokens=400,
+                       temperature=0.0, ignore_eos=True)
+    for _ in range(3):
+        next(responses)
+    # 2. leave the stream: the client cancels the call
+    responses.close()
+    # 3. the autouse leak check proves every worker let go; a new request succeeds
+    assert_nothing_held(tiny_cluster)
+    assert generate(tiny_cluster.gateway.address, timeout=60, prompt="Hi", max_tokens=2).finish_reason
+
+
+def test_deadline_exceeded_frees_every_worker(tiny_cluster: Cluster) -> None:
+    with pytest.raises(grpc.RpcError) as expired:
+        generate(tiny_cluster.gateway.address, timeout=0.5, prompt="Count to one thousand:", max_tokens=450,
+                 temperature=0.0, ignore_eos=True)
+    assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
