@@ -47,7 +47,7 @@ class KVSender:
         """The chunks of one layer; keys and values are (num_kv_heads, num_tokens, head_dim)."""
         messages = []
         for kind, tensor in zip(_KINDS, (keys, values)):
-            raw = tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().data  # one copy at most (GPU)
+            raw = tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().data  # flat bytes; copies only off-GPU
             for offset in range(0, len(raw), self.chunk_bytes):
                 data = bytes(raw[offset : offset + self.chunk_bytes])
                 chunk = pb.KVChunk(layer=index, kind=kind, offset=offset, data=data, crc32c=google_crc32c.value(data))

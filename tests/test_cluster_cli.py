@@ -1,0 +1,88 @@
+"""`pdserve cluster` and `pdserve generate` as a user runs them, and the pairing check between pools."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pdserve.cluster import _await_ready, _spawn, stop_all
+
+PDSERVE = [sys.executable, "-m", "pdserve.cli"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie has exited; only its parent's wait() remains
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_cluster_serves_and_sigterm_leaves_no_process(tiny_model_dir: Path) -> None:
+    cluster = subprocess.Popen([*PDSERVE, "cluster", "--model", str(tiny_model_dir), "--prefill", "1", "--decode", "2"],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        summary = json.loads(cluster.stdout.readline())  # one JSON line once every service is healthy
+        pids = [summary["gateway"]["pid"]] + [w["pid"] for w in summary["prefill"] + summary["decode"]]
+        assert len(summary["prefill"]) == 1 and len(summary["decode"]) == 2
+        assert all(_alive(pid) for pid in pids)
+        generated = subprocess.run([*PDSERVE, "generate", "Hello", "--address", summary["gateway"]["address"],
+                                    "--max-tokens", "6", "--temperature", "0"],
+                                   capture_output=True, text=True, timeout=120)
+        assert generated.returncode == 0, generated.stderr
+        assert "6 generated tokens" in generated.stderr or "[stop]" in generated.stderr
+        as_json = subprocess.run([*PDSERVE, "generate", "Hello", "--address", summary["gateway"]["address"],
+                                  "--max-tokens", "6", "--temperature", "0", "--json"],
+                                 capture_output=True, text=True, timeout=120)
+        assert json.loads(as_json.stdout)["text"] in generated.stdout
+        cluster.send_signal(signal.SIGTERM)
+        assert cluster.wait(timeout=30) == 0
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in pids)
+    finally:
+        if cluster.poll() is None:
+            cluster.kill()
+
+
+def test_generate_reports_an_unreachable_gateway() -> None:
+    result = subprocess.run([*PDSERVE, "generate", "Hello", "--address", "127.0.0.1:1", "--timeout", "5"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "UNAVAILABLE" in result.stderr
+
+
+@pytest.mark.parametrize("module", ["gateway", "prefill_service", "decode_service"])
+def test_each_service_has_help(module: str) -> None:
+    result = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "--port" in result.stdout
+
+
+def test_gateway_refuses_to_pair_workers_with_different_dtypes(tiny_model_dir: Path) -> None:
+    common = ["--model", str(tiny_model_dir), "--threads", "1", "--port", "0"]
+    workers = [_spawn("prefill", "prefill_service", [*common, "--dtype", "float32"]),
+               _spawn("decode", "decode_service", [*common, "--dtype", "bfloat16"])]
+    try:
+        _await_ready(workers, time.monotonic() + 120)
+        gateway = subprocess.run([sys.executable, "-m", "gateway", "--model", str(tiny_model_dir),
+                                  f"--prefill={workers[0].address}", f"--decode={workers[1].address}"],
+                                 capture_output=True, text=True, timeout=120)
+        assert gateway.returncode != 0
+        assert "refusing to pair" in gateway.stderr
+    finally:
+        stop_all(workers, grace_s=10)
+
+
+def test_cluster_rejects_bad_flags() -> None:
+    result = subprocess.run([*PDSERVE, "cluster", "--prefill", "0"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--prefill" in result.stderr

@@ -1,0 +1,120 @@
+"""The decode worker's side of the handoff, driven by hand: reservations, refused KV streams, leases, capacity."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from kv_wire.layout import KVLayout
+from kv_wire.sender import KVSender
+from pdserve.client import generate
+from pdserve.cluster import Cluster
+from protos import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, worker_pb2
+from tests.conftest import assert_nothing_held
+
+PROMPT_TOKENS = 6
+GREEDY = worker_pb2.SamplingParams(temperature=0.0, top_p=1.0)
+
+
+@pytest.fixture
+def decode(tiny_cluster: Cluster):
+    with grpc.insecure_channel(tiny_cluster.decode[0].address) as channel:
+        yield decode_pb2_grpc.DecodeStub(channel)
+    assert_nothing_held(tiny_cluster)
+
+
+def _reserve(stub, request_id: str, max_tokens: int = 4):
+    call = stub.Generate(decode_pb2.DecodeRequest(request_id=request_id, prompt_tokens=PROMPT_TOKENS,
+                                                  max_tokens=max_tokens, sampling=GREEDY), timeout=30)
+    return call, next(call).reserved.token
+
+
+def _kv_stream(stub, request_id: str, token: str, fingerprint: str | None = None) -> list[kv_transfer_pb2.KVTransfer]:
+    model = stub.GetInfo(worker_pb2.WorkerInfoRequest()).model
+    layout = KVLayout(model.num_layers, model.num_kv_heads, model.head_dim, PROMPT_TOKENS, model.dtype)
+    sender = KVSender(request_id, token, fingerprint or model.fingerprint, layout, chunk_bytes=256)
+    messages = [sender.header()]
+    for layer in range(model.num_layers):
+        shape = (model.num_kv_heads, PROMPT_TOKENS, model.head_dim)
+        messages += sender.layer(layer, torch.randn(shape), torch.randn(shape))
+    return messages + [sender.trailer(first_token=42)]
+
+
+def _refused(call_kv, messages) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as refused:
+        call_kv(iter(messages), timeout=30)
+    return refused.value.code()
+
+
+def _stream_failure(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as failed:
+        list(call)
+    return failed.value.code()
+
+
+def test_valid_handoff_streams_tokens(decode) -> None:
+    call, token = _reserve(decode, "handoff-ok", max_tokens=4)
+    ack = decode.TransferKV(iter(_kv_stream(decode, "handoff-ok", token)), timeout=30)
+    assert ack.chunks_received > 0
+    events = list(call)
+    tokens = [t for e in events for t in e.tokens.token_ids]
+    assert len(tokens) == 3  # 4 tokens, the first came from "prefill"
+    assert events[-1].tokens.finish_reason == "length"
+
+
+def test_forged_token_is_refused_and_reservation_stays_usable(decode) -> None:
+    call, token = _reserve(decode, "forged")
+    assert _refused(decode.TransferKV, _kv_stream(decode, "forged", "not-the-token")) == grpc.StatusCode.PERMISSION_DENIED
+    decode.TransferKV(iter(_kv_stream(decode, "forged", token)), timeout=30)  # the real holder still gets through
+    assert list(call)[-1].tokens.finish_reason
+
+
+def test_reused_token_is_refused(decode) -> None:
+    call, token = _reserve(decode, "reused")
+    messages = _kv_stream(decode, "reused", token)
+    decode.TransferKV(iter(messages), timeout=30)
+    assert _refused(decode.TransferKV, messages) == grpc.StatusCode.PERMISSION_DENIED
+    list(call)
+
+
+@pytest.mark.parametrize(("damage", "code"), [
+    ("fingerprint", grpc.StatusCode.FAILED_PRECONDITION),
+    ("checksum", grpc.StatusCode.DATA_LOSS),
+    ("no_trailer", grpc.StatusCode.DATA_LOSS),
+    ("chunk_first", grpc.StatusCode.INVALID_ARGUMENT),
+])
+def test_bad_stream_is_refused_and_fails_the_reservation_at_once(decode, damage: str, code: grpc.StatusCode) -> None:
+    call, token = _reserve(decode, f"bad-{damage}")
+    messages = _kv_stream(decode, f"bad-{damage}", token, fingerprint="another-model" if damage == "fingerprint" else None)
+    if damage == "checksum":
+        messages[5].chunk.crc32c ^= 1
+    elif damage == "no_trailer":
+        messages = messages[:-1]
+    elif damage == "chunk_first":
+        messages = messages[1:]
+    assert _refused(decode.TransferKV, messages) == code
+    assert _stream_failure(call) == (grpc.StatusCode.DEADLINE_EXCEEDED if damage == "chunk_first" else code)
+
+
+def test_reservation_whose_kv_never_arrives_expires_with_its_lease(decode) -> None:
+    call, _ = _reserve(decode, "never-sent")  # the tiny cluster's lease is 3 s
+    assert _stream_failure(call) == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_full_worker_refuses_reservations_and_gateway_uses_the_other(decode, tiny_cluster: Cluster) -> None:
+    held = [_reserve(decode, f"fill-{i}") for i in range(4)]  # --max-seqs=4
+    with pytest.raises(grpc.RpcError) as full:
+        _reserve(decode, "one-too-many")
+    assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    for _ in range(2):  # round robin would pick the full worker for one of these
+        assert generate(tiny_cluster.gateway.address, timeout=30, prompt="Hi", max_tokens=2).finish_reason
+    for call, _ in held:
+        call.cancel()
+
+
+def test_bad_decode_request_is_invalid_argument(decode) -> None:
+    with pytest.raises(grpc.RpcError) as refused:
+        next(decode.Generate(decode_pb2.DecodeRequest(request_id="x", prompt_tokens=0, max_tokens=1, sampling=GREEDY),
+                             timeout=10))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT

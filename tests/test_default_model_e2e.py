@@ -1,0 +1,38 @@
+"""The real default model (SmolLM2-135M-Instruct) through the disaggregated path, against Hugging Face generate."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from pdserve.client import generate
+from tests.conftest import assert_nothing_held, start_cluster
+from tests.test_generate_e2e import hf_greedy
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n",
+    "def quicksort(items):\n    \"\"\"Sort a list.\"\"\"\n",
+    "Once upon a time, in a small village nestled between two mountains, there lived an old clockmaker who " * 4,
+]
+
+
+def test_default_model_greedy_matches_hugging_face_concurrently(default_model_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    cluster = start_cluster(default_model_dir)
+    try:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            completions = list(pool.map(lambda p: generate(cluster.gateway.address, timeout=300, prompt=p,
+                                                           max_tokens=20, temperature=0.0), PROMPTS))
+        for prompt, completion in zip(PROMPTS, completions):
+            expected = hf_greedy(default_model_dir, tokenizer(prompt).input_ids, 20)
+            assert completion.token_ids == expected, prompt
+        assert "Paris" in completions[0].text
+        assert_nothing_held(cluster)
+    finally:
+        cluster.stop()
