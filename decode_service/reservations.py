@@ -93,7 +93,8 @@ class ReservationTable:
                                   "(forged, expired or already released)")
         if reservation.phase is not Phase.WAITING:
             raise KVTransferError(grpc.StatusCode.PERMISSION_DENIED,
-                                  f"reservation for request {request_id!r} was already used ({reservation.phase.value})")
+                                  f"reservation for request {request_id!r} was already used "
+                                  f"({reservation.phase.value})")
         if time.monotonic() >= reservation.expires_at:
             raise KVTransferError(grpc.StatusCode.PERMISSION_DENIED,
                                   f"reservation for request {request_id!r} expired")

@@ -124,11 +124,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                         f"the {self.config.lease_s:g} s lease")
             if isinstance(event, Failure):
                 await context.abort(event.code, event.message)
+                return
             token_ids, reason = event
             while not reason and not reservation.events.empty():  # coalesce tokens the client has not seen yet
                 more = reservation.events.get_nowait()
                 if isinstance(more, Failure):
                     await context.abort(more.code, more.message)
+                    return
                 token_ids, reason = token_ids + more[0], more[1]
             if reason == FAILED:
                 await context.abort(grpc.StatusCode.INTERNAL, "decode engine failed this sequence; see worker logs")
@@ -160,6 +162,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             if reservation is not None:
                 reservation.fail(grpc.StatusCode.UNAVAILABLE, "KV stream from prefill was cancelled mid-transfer")
             raise
+        assert reservation is not None  # claimed before any chunk was accepted
         self._admit(reservation, received)
         return kv_transfer_pb2.KVTransferAck(bytes_received=receiver.bytes_received,
                                              chunks_received=receiver.chunks_received)
@@ -177,7 +180,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             elif part == "trailer":
                 return receiver.finish(message.trailer)
             else:
-                raise receiver.fail(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {part or 'empty'} message mid-stream")
+                raise receiver.fail(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"unexpected {part or 'empty'} message mid-stream")
         raise receiver.fail(grpc.StatusCode.DATA_LOSS, "KV stream ended without a trailer")
 
     async def _refuse(
@@ -211,7 +215,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         reservation.phase = Phase.ADMITTED
         self.engine.submit(seq, received.layers)
 
-    async def GetInfo(self, request: worker_pb2.WorkerInfoRequest, context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
+    async def GetInfo(
+        self, request: worker_pb2.WorkerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerInfo:
         return worker_pb2.WorkerInfo(
             role="decode",
             model=model_info(self.spec),

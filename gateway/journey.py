@@ -50,7 +50,9 @@ def _hop_error(exc: grpc.aio.AioRpcError, hop: str, worker: Worker) -> GatewayEr
     return GatewayError(exc.code(), f"{hop} worker {worker.address}: {exc.details()}")
 
 
-async def reserve(params: GenerateParams, pool: Pool, timeout: float | None) -> tuple[Worker, grpc.aio.UnaryStreamCall, str]:
+async def reserve(
+    params: GenerateParams, pool: Pool, timeout: float | None
+) -> tuple[Worker, grpc.aio.UnaryStreamCall, str]:
     """Open a Generate call on the first decode worker with room; its first event is the reservation."""
     request = decode_pb2.DecodeRequest(
         request_id=params.request_id, prompt_tokens=len(params.prompt_ids), max_tokens=params.max_tokens,

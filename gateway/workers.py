@@ -54,7 +54,8 @@ class Pool:
                     return
                 except grpc.aio.AioRpcError as exc:
                     if asyncio.get_running_loop().time() > deadline:
-                        raise RuntimeError(f"{self.role} worker {worker.address} did not answer: {exc.details()}")
+                        raise RuntimeError(
+                            f"{self.role} worker {worker.address} did not answer: {exc.details()}") from None
                     await asyncio.sleep(0.5)
 
         await asyncio.gather(*(one(w) for w in self.workers))

@@ -47,7 +47,8 @@ class KVSender:
         """The chunks of one layer; keys and values are (num_kv_heads, num_tokens, head_dim)."""
         messages = []
         for kind, tensor in zip(_KINDS, (keys, values)):
-            raw = tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().data  # flat bytes; copies only off-GPU
+            # flat bytes; copies only when the tensor lives on a GPU or is not contiguous
+            raw = tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().data
             for offset in range(0, len(raw), self.chunk_bytes):
                 data = bytes(raw[offset : offset + self.chunk_bytes])
                 chunk = pb.KVChunk(layer=index, kind=kind, offset=offset, data=data, crc32c=google_crc32c.value(data))
@@ -62,7 +63,9 @@ class KVSender:
         ))
 
 
-async def encode_stream(sender: KVSender, layers: AsyncIterator[tuple[int, torch.Tensor, torch.Tensor] | int]) -> AsyncIterator[pb.KVTransfer]:
+async def encode_stream(
+    sender: KVSender, layers: AsyncIterator[tuple[int, torch.Tensor, torch.Tensor] | int]
+) -> AsyncIterator[pb.KVTransfer]:
     """The whole request stream: header, each layer's chunks as it arrives, then the trailer.
 
     `layers` yields (layer, keys, values) tuples and finally the first token (an int), which closes the stream.

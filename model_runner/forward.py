@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from transformers import DynamicCache
@@ -16,11 +16,13 @@ LayerKV = tuple[torch.Tensor, torch.Tensor]  # keys, values: (kv_heads, tokens, 
 class _LayerWatchingCache(DynamicCache):
     """A DynamicCache that reports each layer's KV the moment the forward pass has produced it."""
 
-    def __init__(self, on_layer: Callable[[int, torch.Tensor, torch.Tensor], None], **kwargs: object) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, on_layer: Callable[[int, torch.Tensor, torch.Tensor], None]) -> None:
+        super().__init__()
         self._on_layer = on_layer
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object):  # type: ignore[override]
+    def update(  # type: ignore[override]
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         self._on_layer(layer_idx, keys[0], values[0])
         return keys, values
@@ -40,7 +42,7 @@ def prefill(
     input_ids = torch.tensor([token_ids], dtype=torch.long, device=runner.device)
     cache = _LayerWatchingCache(on_layer) if on_layer else DynamicCache()
     out = runner.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    kv = [(layer.keys[0], layer.values[0]) for layer in cache.layers]
+    kv = [(layer.keys[0], layer.values[0]) for layer in cache.layers]  # type: ignore[union-attr,index]
     return out.logits[0, -1], kv
 
 

@@ -29,8 +29,10 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 class _SlotLayer(CacheLayerMixin):
     is_sliding = False
+    keys: torch.Tensor
+    values: torch.Tensor
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, owner: "SlotKVCache") -> None:
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, owner: SlotKVCache) -> None:
         super().__init__()
         self.keys, self.values = keys, values
         self.is_initialized = True
@@ -66,8 +68,10 @@ class SlotKVCache(Cache):
         dtype: torch.dtype, device: torch.device,
     ) -> None:
         shape = (slots, num_kv_heads, max_len, head_dim)
-        layers = [_SlotLayer(_zeros(shape, dtype, device), _zeros(shape, dtype, device), self) for _ in range(num_layers)]
-        super().__init__(layers=layers)
+        layers = [_SlotLayer(_zeros(shape, dtype, device), _zeros(shape, dtype, device), self)
+                  for _ in range(num_layers)]
+        super().__init__(layers=list(layers))
+        self.slot_layers = layers
         self.slots, self.max_len, self.dtype, self.device = slots, max_len, dtype, device
         self.step_rows = torch.empty(0, dtype=torch.long)
         self.step_positions = torch.empty(0, dtype=torch.long)
@@ -75,14 +79,14 @@ class SlotKVCache(Cache):
 
     def load(self, slot: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy a transferred prompt KV, per layer (H, T, D) keys and values, into `slot` (a join copies once)."""
-        for layer, (keys, values) in zip(self.layers, kv):
+        for layer, (keys, values) in zip(self.slot_layers, kv):
             length = keys.shape[1]
             layer.keys[slot, :, :length].copy_(keys)
             layer.values[slot, :, :length].copy_(values)
 
     def move(self, source: int, target: int, length: int) -> None:
         """Move a sequence's first `length` positions to another slot (keeps running sequences packed)."""
-        for layer in self.layers:
+        for layer in self.slot_layers:
             layer.keys[target, :, :length].copy_(layer.keys[source, :, :length])
             layer.values[target, :, :length].copy_(layer.values[source, :, :length])
 

@@ -10,9 +10,10 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -58,7 +59,7 @@ def _converted_default_model() -> Path:
         model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_DEFAULT_GGUF, dtype=torch.float32)
         # The weights are de-quantised floats now; drop the GGUF marker so save_pretrained accepts them.
         del model.config.quantization_config
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]
         model.config.name_or_path = DEFAULT_MODEL
         staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{DEFAULT_MODEL}-"))
         try:
@@ -133,7 +134,7 @@ def load_model(model_dir: Path, dtype: str = "float32", device: str = "cpu", max
         raise ValueError(f"--dtype {dtype!r}: expected one of {sorted(DTYPES)}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {device!r}: CUDA is not available on this machine")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(device).eval()  # type: ignore[arg-type]
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     context = int(getattr(config, "max_position_embeddings", 2048))

@@ -39,7 +39,8 @@ class ClusterConfig:
             raise ValueError("--prefill and --decode must be >= 1")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r}: expected one of {sorted(DTYPES)}")
-        for name, ports, count in (("prefill", self.prefill_ports, self.prefill), ("decode", self.decode_ports, self.decode)):
+        for name, ports, count in (("prefill", self.prefill_ports, self.prefill),
+                                   ("decode", self.decode_ports, self.decode)):
             if ports and len(ports) != count:
                 raise ValueError(f"--{name}-ports: {len(ports)} ports for {count} workers")
 
@@ -109,7 +110,8 @@ def _await_ready(services: list[Service], deadline: float) -> None:
     while waiting:
         for service in waiting.values():
             if service.process.poll() is not None:
-                raise RuntimeError(f"{service.role} worker exited with code {service.process.returncode} while starting")
+                raise RuntimeError(
+                    f"{service.role} worker exited with code {service.process.returncode} while starting")
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError(f"{len(waiting)} services not ready in time: {[s.role for s in waiting.values()]}")

@@ -77,9 +77,13 @@ class _KVPush:
         if self.call is None:
             self.started_at = time.perf_counter()
             self.call = asyncio.ensure_future(self._stub.TransferKV(encode_stream(self.sender, self._drain())))
-            # A refused transfer stops the forward pass at its next layer instead of computing for nothing.
-            self.call.add_done_callback(lambda call: call.cancelled() or call.exception() and self._abandon.set())
+            self.call.add_done_callback(self._on_transfer_end)
         self._items.put_nowait(item)
+
+    def _on_transfer_end(self, call: asyncio.Future) -> None:
+        # A refused transfer stops the forward pass at its next layer instead of computing for nothing.
+        if not call.cancelled() and call.exception() is not None:
+            self._abandon.set()
 
     async def _drain(self) -> AsyncIterator[tuple[int, torch.Tensor, torch.Tensor] | int]:
         while True:
@@ -185,7 +189,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             ])
         return self._channels[address]
 
-    async def GetInfo(self, request: worker_pb2.WorkerInfoRequest, context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
+    async def GetInfo(
+        self, request: worker_pb2.WorkerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerInfo:
         return worker_pb2.WorkerInfo(role="prefill", model=model_info(self.spec), live_sequences=self._in_flight,
                                      live_kv_bytes=self._pending_kv_bytes, pid=os.getpid())
 

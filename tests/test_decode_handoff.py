@@ -65,7 +65,8 @@ def test_valid_handoff_streams_tokens(decode) -> None:
 
 def test_forged_token_is_refused_and_reservation_stays_usable(decode) -> None:
     call, token = _reserve(decode, "forged")
-    assert _refused(decode.TransferKV, _kv_stream(decode, "forged", "not-the-token")) == grpc.StatusCode.PERMISSION_DENIED
+    forged = _kv_stream(decode, "forged", "not-the-token")
+    assert _refused(decode.TransferKV, forged) == grpc.StatusCode.PERMISSION_DENIED
     decode.TransferKV(iter(_kv_stream(decode, "forged", token)), timeout=30)  # the real holder still gets through
     assert list(call)[-1].tokens.finish_reason
 
@@ -86,7 +87,8 @@ def test_reused_token_is_refused(decode) -> None:
 ])
 def test_bad_stream_is_refused_and_fails_the_reservation_at_once(decode, damage: str, code: grpc.StatusCode) -> None:
     call, token = _reserve(decode, f"bad-{damage}")
-    messages = _kv_stream(decode, f"bad-{damage}", token, fingerprint="another-model" if damage == "fingerprint" else None)
+    fingerprint = "another-model" if damage == "fingerprint" else None
+    messages = _kv_stream(decode, f"bad-{damage}", token, fingerprint)
     if damage == "checksum":
         messages[5].chunk.crc32c ^= 1
     elif damage == "no_trailer":

@@ -20,7 +20,9 @@ def _spec(layers: int, heads: int, head_dim: int, dtype: str) -> ModelSpec:
                      head_dim=head_dim, vocab_size=100, max_model_len=4096, eos_token_ids=(2,))
 
 
-def _encode(spec: ModelSpec, kv: list[tuple[torch.Tensor, torch.Tensor]], tokens: int, chunk: int) -> list[pb.KVTransfer]:
+def _encode(
+    spec: ModelSpec, kv: list[tuple[torch.Tensor, torch.Tensor]], tokens: int, chunk: int
+) -> list[pb.KVTransfer]:
     layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, tokens, spec.dtype)
     sender = KVSender("r1", "token", spec.fingerprint, layout, chunk)
     messages = [sender.header()]

@@ -17,7 +17,8 @@ def tokenizer(default_model_dir: Path):
     return AutoTokenizer.from_pretrained(default_model_dir)
 
 
-@pytest.mark.parametrize("text", ["Hello, world!", "naïve café 東京 🚀🎉 done", "  spaces\n\nand\ttabs  ", "日本語のテキスト"])
+@pytest.mark.parametrize(
+    "text", ["Hello, world!", "naïve café 東京 🚀🎉 done", "  spaces\n\nand\ttabs  ", "日本語のテキスト"])
 def test_token_by_token_deltas_join_to_the_full_text_and_never_split_a_character(tokenizer, text: str) -> None:
     prompt = tokenizer("Say:").input_ids
     ids = tokenizer(text, add_special_tokens=False).input_ids
