@@ -7,8 +7,9 @@ INSTALLED := $(VENV)/.installed
 PROTOS := $(wildcard protos/*.proto)
 GENERATED := $(PROTOS:.proto=_pb2.py)
 PYTEST_ARGS ?=
+PORT ?= 50051
 
-.PHONY: install protos run test test-fast lint bench clean
+.PHONY: install protos run test test-fast lint clean
 
 install: $(INSTALLED) protos
 
@@ -29,7 +30,7 @@ protos/%_pb2.py: protos/%.proto $(INSTALLED)
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. $<
 
 run: install
-	$(VENV)/bin/pdserve cluster --prefill 1 --decode 1 --demo
+	$(VENV)/bin/pdserve cluster --prefill 1 --decode 1 --port $(PORT) --demo
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
