@@ -11,6 +11,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -101,3 +102,20 @@ def run(main: Awaitable[None]) -> None:
     import uvloop
 
     uvloop.run(main)  # type: ignore[arg-type]
+
+
+def main(prog: str, description: str | None, config_class: Any, serve_config: Callable[[Any], Awaitable[None]],
+         argv: list[str] | None = None) -> None:
+    """The `python -m <service>` entry point: flags -> validated config (errors name the flag) -> serve."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    config_class.add_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        config = config_class.from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    configure_logging()
+    try:
+        run(serve_config(config))
+    except RuntimeError as exc:  # start-up refusals (e.g. workers that must not pair): one line, exit 1
+        sys.exit(f"{prog}: {exc}")
