@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -105,21 +106,23 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         generated = 0
         first_at = 0.0
         finish = ""
-        async for tokens in journey.run(params, self.prefill, self.decode, timings, timeout):
-            generated += len(tokens.token_ids)
-            text, stopped = stops.feed(detokenizer.add(tokens.token_ids))
-            finish = "stop" if stopped else tokens.finish_reason
-            response = gateway_pb2.GenerateResponse(request_id=params.request_id, token_ids=tokens.token_ids,
-                                                    text=text + (stops.flush() if finish else ""))
-            first_at = first_at or time.perf_counter()
-            if finish:
-                response.finish_reason = finish
-                response.usage.CopyFrom(gateway_pb2.Usage(prompt_tokens=len(params.prompt_ids),
-                                                          completion_tokens=generated))
-                response.timing.CopyFrom(_timing(timings, arrived, first_at, generated))
-            yield response
-            if finish:
-                return
+        # aclosing: a stop string ends the loop early, and the journey must cancel its worker calls right then
+        async with contextlib.aclosing(journey.run(params, self.prefill, self.decode, timings, timeout)) as pieces:
+            async for tokens in pieces:
+                generated += len(tokens.token_ids)
+                text, stopped = stops.feed(detokenizer.add(tokens.token_ids))
+                finish = "stop" if stopped else tokens.finish_reason
+                response = gateway_pb2.GenerateResponse(request_id=params.request_id, token_ids=tokens.token_ids,
+                                                        text=text + (stops.flush() if finish else ""))
+                first_at = first_at or time.perf_counter()
+                if finish:
+                    response.finish_reason = finish
+                    response.usage.CopyFrom(gateway_pb2.Usage(prompt_tokens=len(params.prompt_ids),
+                                                              completion_tokens=generated))
+                    response.timing.CopyFrom(_timing(timings, arrived, first_at, generated))
+                yield response
+                if finish:
+                    return
         raise GatewayError(grpc.StatusCode.INTERNAL, "workers ended the stream without a finish reason")
 
 

@@ -162,3 +162,16 @@ def test_deadline_exceeded_frees_every_worker(tiny_cluster: Cluster) -> None:
         generate(tiny_cluster.gateway.address, timeout=0.5, prompt="Count to one thousand:", max_tokens=450,
                  temperature=0.0, ignore_eos=True)
     assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_request_id_in_flight_is_refused_with_already_exists(tiny_cluster: Cluster) -> None:
+    address = tiny_cluster.gateway.address
+    running = stream(address, timeout=60, prompt="Count to one thousand:", max_tokens=400, temperature=0.0,
+                     ignore_eos=True, request_id="same-id")
+    next(running)
+    with pytest.raises(grpc.RpcError) as duplicate:
+        generate(address, timeout=30, prompt="Hi", max_tokens=2, request_id="same-id")
+    assert duplicate.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    running.close()
+    assert_nothing_held(tiny_cluster)
+    assert generate(address, timeout=30, prompt="Hi", max_tokens=2, request_id="same-id").finish_reason
