@@ -9,6 +9,7 @@ import grpc
 import torch
 
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOSSY_WIRE_DTYPES = ("bfloat16", "float16")  # opt-in downcasts of float32 KV; the receiver casts back
 DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB: far under gRPC's 4 MiB message limit, large enough to amortise framing
 
 

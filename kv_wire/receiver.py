@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 import torch
 
-from kv_wire.layout import WIRE_DTYPES, KVLayout, KVTransferError, TransferState
+from kv_wire.layout import LOSSY_WIRE_DTYPES, WIRE_DTYPES, KVLayout, KVTransferError, TransferState
 from model_runner.loading import ModelSpec
 from protos import kv_transfer_pb2 as pb
 
@@ -46,9 +46,10 @@ class KVReceiver:
             raise self.fail(grpc.StatusCode.FAILED_PRECONDITION,
                              f"model mismatch: sender fingerprint {header.model_fingerprint!r}, "
                              f"this decode worker serves {spec.name} {spec.dtype} ({spec.fingerprint!r})")
-        if header.dtype != spec.dtype:
+        lossy = spec.dtype == "float32" and header.dtype in LOSSY_WIRE_DTYPES
+        if header.dtype != spec.dtype and not lossy:
             raise self.fail(grpc.StatusCode.FAILED_PRECONDITION,
-                             f"KV dtype {header.dtype!r} differs from this worker's {spec.dtype!r}")
+                            f"KV dtype {header.dtype!r} does not fit this worker's {spec.dtype!r}")
         expected = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
         got = (header.num_layers, header.num_kv_heads, header.head_dim)
         if got != expected:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import google_crc32c
 import torch
 
-from kv_wire.layout import KVLayout, TransferState
+from kv_wire.layout import WIRE_DTYPES, KVLayout, TransferState
 from protos import kv_transfer_pb2 as pb
 
 _KINDS = (pb.KV_KIND_KEYS, pb.KV_KIND_VALUES)
@@ -47,8 +47,9 @@ class KVSender:
         """The chunks of one layer; keys and values are (num_kv_heads, num_tokens, head_dim)."""
         messages = []
         for kind, tensor in zip(_KINDS, (keys, values)):
-            # flat bytes; copies only when the tensor lives on a GPU or is not contiguous
-            raw = tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().data
+            # flat bytes; copies only for a GPU tensor, a downcast or a non-contiguous view
+            wire = tensor.detach().to("cpu", WIRE_DTYPES[self.layout.dtype]).contiguous()
+            raw = wire.view(-1).view(torch.uint8).numpy().data
             for offset in range(0, len(raw), self.chunk_bytes):
                 data = bytes(raw[offset : offset + self.chunk_bytes])
                 chunk = pb.KVChunk(layer=index, kind=kind, offset=offset, data=data, crc32c=google_crc32c.value(data))

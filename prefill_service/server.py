@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from kv_wire.layout import DEFAULT_CHUNK_BYTES, KVLayout
+from kv_wire.layout import DEFAULT_CHUNK_BYTES, LOSSY_WIRE_DTYPES, KVLayout
 from kv_wire.sender import KVSender, encode_stream
 from model_runner import forward
 from model_runner.loading import LoadedModel, ModelConfig, add_model_args, model_config
@@ -41,14 +41,19 @@ class PrefillConfig:
     server: ServerConfig
     model: ModelConfig
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    wire_dtype: str = ""  # "" = the model's own; or a lossy downcast of float32 KV
 
     def __post_init__(self) -> None:
+        if self.wire_dtype and (self.wire_dtype not in LOSSY_WIRE_DTYPES or self.model.dtype != "float32"):
+            raise ValueError(f"--wire-dtype {self.wire_dtype!r}: only {' or '.join(LOSSY_WIRE_DTYPES)}, "
+                             "and only for a float32 model")
         if not 0 < self.chunk_bytes <= MAX_MESSAGE_BYTES // 2:
             raise ValueError(f"--chunk-bytes {self.chunk_bytes}: must be in (0, {MAX_MESSAGE_BYTES // 2}]")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PrefillConfig:
-        return cls(server=server_config(args), model=model_config(args), chunk_bytes=args.chunk_bytes)
+        return cls(server=server_config(args), model=model_config(args), chunk_bytes=args.chunk_bytes,
+                   wire_dtype=args.wire_dtype)
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +62,9 @@ class PrefillConfig:
         group = parser.add_argument_group("prefill")
         group.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
                            help="KV bytes per transfer message (default: %(default)s)")
+        group.add_argument("--wire-dtype", default="", choices=["", *LOSSY_WIRE_DTYPES],
+                           help="send float32 KV as bfloat16 or float16: half the bytes, lossy (default: the "
+                           "model's dtype, exact)")
 
 
 class _Abandoned(Exception):
@@ -113,7 +121,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         token_ids, sampling = await self._validate(request, context)
         loop = asyncio.get_running_loop()
         spec = self.spec
-        layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, len(token_ids), spec.dtype)
+        layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, len(token_ids),
+                          self.config.wire_dtype or spec.dtype)
         sender = KVSender(request.request_id, request.reservation_token, spec.fingerprint, layout,
                           self.config.chunk_bytes)
         abandon = threading.Event()

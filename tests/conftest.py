@@ -38,9 +38,10 @@ def tiny_model_dir(default_model_dir: Path, tmp_path_factory: pytest.TempPathFac
     return path
 
 
-def start_cluster(model_dir: Path, prefill: int = 1, decode: int = 1, decode_args: tuple[str, ...] = ()) -> Cluster:
+def start_cluster(model_dir: Path, prefill: int = 1, decode: int = 1, decode_args: tuple[str, ...] = (),
+                  prefill_args: tuple[str, ...] = ()) -> Cluster:
     return start(ClusterConfig(prefill=prefill, decode=decode, model=str(model_dir), threads=1,
-                               decode_args=decode_args, startup_timeout_s=180))
+                               decode_args=decode_args, prefill_args=prefill_args, startup_timeout_s=180))
 
 
 @pytest.fixture(scope="session")

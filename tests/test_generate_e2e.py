@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdserve.client import generate, stream
 from pdserve.cluster import Cluster
-from tests.conftest import assert_nothing_held
+from tests.conftest import assert_nothing_held, start_cluster
 
 PROMPTS = [
     "Hi",
@@ -65,7 +65,8 @@ def test_greedy_matches_hugging_face_for_concurrent_prompts(tiny_cluster: Cluste
 def test_token_ids_prompt_gives_same_tokens_as_text_prompt(tiny_cluster: Cluster, tiny_model_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     address = tiny_cluster.gateway.address
-    by_text = generate(address, timeout=60, prompt=PROMPTS[2], max_tokens=8, temperature=0.0)
+    by_text = generate(address, timeout=60, prompt=PROMPTS[2], max_tokens=8, temperature=0.0,
+                     ignore_eos=True)
     by_ids = generate(address, timeout=60, token_ids=tokenizer(PROMPTS[2]).input_ids, max_tokens=8, temperature=0.0)
     assert by_ids.token_ids == by_text.token_ids
 
@@ -175,3 +176,17 @@ def test_request_id_in_flight_is_refused_with_already_exists(tiny_cluster: Clust
     running.close()
     assert_nothing_held(tiny_cluster)
     assert generate(address, timeout=30, prompt="Hi", max_tokens=2, request_id="same-id").finish_reason
+
+
+def test_bfloat16_wire_halves_the_kv_bytes_and_still_generates(tiny_cluster: Cluster, tiny_model_dir: Path) -> None:
+    exact = generate(tiny_cluster.gateway.address, timeout=60, prompt=PROMPTS[2], max_tokens=8, temperature=0.0,
+                     ignore_eos=True)
+    lossy_cluster = start_cluster(tiny_model_dir, prefill_args=("--wire-dtype=bfloat16",))
+    try:
+        lossy = generate(lossy_cluster.gateway.address, timeout=60, prompt=PROMPTS[2], max_tokens=8, temperature=0.0,
+                     ignore_eos=True)
+        assert lossy.timing.kv_bytes * 2 == exact.timing.kv_bytes
+        assert len(lossy.token_ids) == len(exact.token_ids) and lossy.finish_reason == exact.finish_reason
+        assert_nothing_held(lossy_cluster)
+    finally:
+        lossy_cluster.stop()

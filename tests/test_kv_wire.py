@@ -129,7 +129,7 @@ def test_damaged_stream_is_refused_with_its_status_and_buffer_dropped(damage, co
 
 @pytest.mark.parametrize(("field", "value", "code"), [
     ("model_fingerprint", "other-model", grpc.StatusCode.FAILED_PRECONDITION),
-    ("dtype", "bfloat16", grpc.StatusCode.FAILED_PRECONDITION),
+    ("dtype", "int8", grpc.StatusCode.FAILED_PRECONDITION),
     ("num_layers", 3, grpc.StatusCode.INVALID_ARGUMENT),
     ("num_tokens", TOKENS + 1, grpc.StatusCode.INVALID_ARGUMENT),
     ("chunk_bytes", 0, grpc.StatusCode.INVALID_ARGUMENT),
@@ -140,3 +140,28 @@ def test_mismatched_header_is_refused(field: str, value: object, code: grpc.Stat
     with pytest.raises(KVTransferError) as refused:
         KVReceiver(SPEC, 1 << 20).accept_header(header, TOKENS)
     assert refused.value.code == code
+
+
+@pytest.mark.parametrize("wire", ["bfloat16", "float16"])
+def test_float32_kv_downcast_on_the_wire_is_marked_and_accepted(wire: str) -> None:
+    torch.manual_seed(0)
+    kv = _random_kv(SPEC, TOKENS)
+    layout = KVLayout(SPEC.num_layers, SPEC.num_kv_heads, SPEC.head_dim, TOKENS, wire)
+    sender = KVSender("r1", "token", SPEC.fingerprint, layout, 64)
+    messages = [sender.header()]
+    for i, (k, v) in enumerate(kv):
+        messages += sender.layer(i, k, v)
+    messages.append(sender.trailer(7))
+    assert messages[0].header.dtype == wire
+    assert sender.bytes_sent == sum(k.nbytes + v.nbytes for k, v in kv) // 2
+    _, received = _decode(SPEC, messages, TOKENS)
+    for (k, _), (k2, _) in zip(kv, received.layers):
+        assert torch.equal(k.to(WIRE_DTYPES[wire]), k2)  # exactly the rounded values; decode casts back on admission
+
+
+def test_bfloat16_model_refuses_float16_wire() -> None:
+    header = _encode(_spec(2, 2, 8, "bfloat16"), _random_kv(_spec(2, 2, 8, "bfloat16"), TOKENS), TOKENS, 64)[0].header
+    header.dtype = "float16"
+    with pytest.raises(KVTransferError) as refused:
+        KVReceiver(_spec(2, 2, 8, "bfloat16"), 1 << 20).accept_header(header, TOKENS)
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
