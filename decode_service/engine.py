@@ -36,6 +36,7 @@ class Sequence:
     stop_token_ids: frozenset[int]
     emit: Emit
     tokens: list[int] = field(default_factory=list)  # generated so far; tokens[0] came from prefill
+    aborted: bool = False  # set by DecodeEngine.abort: this object, never a later request with the same id
 
     @property
     def cached(self) -> int:
@@ -59,7 +60,7 @@ class DecodeEngine:
                                  runner.model.dtype, runner.device)
         self._running: list[Sequence] = []  # index = slot
         self._joining: collections.deque[tuple[Sequence, list[tuple[torch.Tensor, torch.Tensor]]]] = collections.deque()
-        self._aborted: set[str] = set()
+        self._abort_pending = False
         self._wake = threading.Condition()
         self._stopped = False
         self.steps = 0
@@ -80,9 +81,10 @@ class DecodeEngine:
             self._joining.append((seq, kv))
             self._wake.notify()
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, seq: Sequence) -> None:
         with self._wake:
-            self._aborted.add(request_id)
+            seq.aborted = True
+            self._abort_pending = True
             self._wake.notify()
 
     @property
@@ -105,25 +107,28 @@ class DecodeEngine:
 
     def _wait_for_work(self) -> bool:
         with self._wake:
-            while not (self._stopped or self._running or self._joining or self._aborted):
+            while not (self._stopped or self._running or self._joining or self._abort_pending):
                 self._wake.wait()
             return not self._stopped
 
     def _join_and_leave(self) -> None:
         with self._wake:
             joining, self._joining = list(self._joining), collections.deque()
-            aborted, self._aborted = self._aborted, set()
+            self._abort_pending = False
+        # Leave first: a joiner may have been admitted into the slot an aborted sequence is giving up.
+        self._leave([slot for slot, seq in enumerate(self._running) if seq.aborted])
         for seq, kv in joining:
-            if seq.request_id in aborted:
+            reason = "" if seq.aborted else seq.finish_reason(self.max_len)  # the first token may end it
+            if seq.aborted or reason:
+                seq.emit([], reason or FAILED)
                 continue
-            reason = seq.finish_reason(self.max_len)  # the first token may already end it
-            if reason:
-                seq.emit([], reason)
+            try:
+                self.cache.load(len(self._running), kv)
+            except Exception:
+                log.exception("loading the KV of %s failed", seq.request_id)
+                seq.emit([], FAILED)
                 continue
-            self.cache.load(len(self._running), kv)
             self._running.append(seq)
-        leaving = [slot for slot, seq in enumerate(self._running) if seq.request_id in aborted]
-        self._leave(leaving)
 
     def _step(self) -> None:
         running = self._running

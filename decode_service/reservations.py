@@ -13,6 +13,7 @@ import hmac
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -49,6 +50,7 @@ class Reservation:
     kv_bytes: int
     expires_at: float  # time.monotonic() by which the KV must have arrived
     phase: Phase = Phase.WAITING
+    sequence: Any = None  # the engine's Sequence once admitted
     # What the Generate stream relays: (token_ids, finish_reason) tuples or one Failure.
     events: asyncio.Queue[tuple[list[int], str] | Failure] = field(default_factory=asyncio.Queue)
 

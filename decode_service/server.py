@@ -104,8 +104,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             async for token_ids, reason in self._relay(reservation, context):
                 yield decode_pb2.DecodeEvent(tokens=decode_pb2.DecodedTokens(token_ids=token_ids, finish_reason=reason))
         finally:  # done, cancelled, expired or failed: free everything this request holds
-            if reservation.phase is Phase.ADMITTED:
-                self.engine.abort(params.request_id)
+            if reservation.sequence is not None:
+                self.engine.abort(reservation.sequence)
             self.table.release(reservation)
 
     async def _relay(
@@ -119,6 +119,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     async with asyncio.timeout_at(_loop_time(reservation.expires_at)):
                         event = await reservation.events.get()
                 except TimeoutError:
+                    if reservation.phase is Phase.ADMITTED:  # KV arrived just in time; tokens follow
+                        continue
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                         f"KV for request {reservation.params.request_id!r} did not arrive within "
                                         f"the {self.config.lease_s:g} s lease")
@@ -213,6 +215,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             tokens=[received.first_token],
         )
         reservation.phase = Phase.ADMITTED
+        reservation.sequence = seq
         self.engine.submit(seq, received.layers)
 
     async def GetInfo(

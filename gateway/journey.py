@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -80,7 +80,7 @@ async def reserve(
 
 async def run(
     params: GenerateParams, prefill: Pool, decode: Pool, timings: Timings, timeout: float | None
-) -> AsyncIterator[Tokens]:
+) -> AsyncGenerator[Tokens, None]:
     started = time.perf_counter()
     decode_worker, decode_call, token = await reserve(params, decode, timeout)
     timings.reserve_ms = (time.perf_counter() - started) * 1e3

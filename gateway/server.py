@@ -16,7 +16,7 @@ import argparse
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -90,8 +90,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {params.request_id!r} is in flight")
         self._in_flight.add(params.request_id)
         try:
-            async for response in self._generate(params, arrived, context.time_remaining()):
-                yield response
+            # aclosing: if a cancel lands mid-write, the journey's worker calls are cancelled now, not at GC
+            async with contextlib.aclosing(self._generate(params, arrived, context.time_remaining())) as responses:
+                async for response in responses:
+                    yield response
         except GatewayError as exc:
             await context.abort(exc.code, exc.message)
         finally:
@@ -99,7 +101,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def _generate(
         self, params: GenerateParams, arrived: float, timeout: float | None
-    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.prompt_ids)
         stops = StopMatcher(params.stop)
         timings = Timings()
