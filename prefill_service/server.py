@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from kv_wire.layout import DEFAULT_CHUNK_BYTES, LOSSY_WIRE_DTYPES, KVLayout
+from kv_wire.layout import DEFAULT_CHUNK_BYTES, LOSSY_WIRE_DTYPES, KVLayout, TransferState
 from kv_wire.sender import KVSender, encode_stream
 from model_runner import forward
 from model_runner.loading import LoadedModel, ModelConfig, add_model_args, model_config
@@ -89,9 +89,12 @@ class _KVPush:
         self._items.put_nowait(item)
 
     def _on_transfer_end(self, call: asyncio.Future) -> None:
+        if not call.cancelled() and call.exception() is None:
+            self.sender.state = TransferState.COMPLETE
+            return
+        self.sender.state = TransferState.FAILED
         # A refused transfer stops the forward pass at its next layer instead of computing for nothing.
-        if not call.cancelled() and call.exception() is not None:
-            self._abandon.set()
+        self._abandon.set()
 
     async def _drain(self) -> AsyncIterator[tuple[int, torch.Tensor, torch.Tensor] | int]:
         while True:
