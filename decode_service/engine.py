@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 # when the engine could not continue the sequence.
 Emit = Callable[[list[int], str], None]
 FAILED = "error"
+PromptKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values (num_kv_heads, prompt_len, head_dim)
 
 
 @dataclass
@@ -59,7 +60,7 @@ class DecodeEngine:
         self.cache = SlotKVCache(spec.num_layers, max_seqs, spec.num_kv_heads, spec.max_model_len, spec.head_dim,
                                  runner.model.dtype, runner.device)
         self._running: list[Sequence] = []  # index = slot
-        self._joining: collections.deque[tuple[Sequence, list[tuple[torch.Tensor, torch.Tensor]]]] = collections.deque()
+        self._joining: collections.deque[tuple[Sequence, PromptKV, Callable[[], None]]] = collections.deque()
         self._abort_pending = False
         self._wake = threading.Condition()
         self._stopped = False
@@ -76,9 +77,10 @@ class DecodeEngine:
         self._thread.join(timeout=30)
 
     # Called from the event loop.
-    def submit(self, seq: Sequence, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def submit(self, seq: Sequence, kv: PromptKV, release: Callable[[], None]) -> None:
+        """Queue a sequence to join at the next step; `release()` is called once `kv` was copied in (or dropped)."""
         with self._wake:
-            self._joining.append((seq, kv))
+            self._joining.append((seq, kv, release))
             self._wake.notify()
 
     def abort(self, seq: Sequence) -> None:
@@ -117,18 +119,21 @@ class DecodeEngine:
             self._abort_pending = False
         # Leave first: a joiner may have been admitted into the slot an aborted sequence is giving up.
         self._leave([slot for slot, seq in enumerate(self._running) if seq.aborted])
-        for seq, kv in joining:
-            reason = "" if seq.aborted else seq.finish_reason(self.max_len)  # the first token may end it
-            if seq.aborted or reason:
-                seq.emit([], reason or FAILED)
-                continue
+        for seq, kv, release in joining:
             try:
-                self.cache.load(len(self._running), kv)
-            except Exception:
-                log.exception("loading the KV of %s failed", seq.request_id)
-                seq.emit([], FAILED)
-                continue
-            self._running.append(seq)
+                reason = "" if seq.aborted else seq.finish_reason(self.max_len)  # the first token may end it
+                if seq.aborted or reason:
+                    seq.emit([], reason or FAILED)
+                    continue
+                try:
+                    self.cache.load(len(self._running), kv)
+                except Exception:
+                    log.exception("loading the KV of %s failed", seq.request_id)
+                    seq.emit([], FAILED)
+                    continue
+                self._running.append(seq)
+            finally:
+                release()
 
     def _step(self) -> None:
         running = self._running

@@ -2,9 +2,11 @@
 
 Life of a request here:
 1. Generate arrives from the gateway: a slot and KV budget are reserved, the reservation (token + lease) is the
-   stream's first event. No capacity: RESOURCE_EXHAUSTED, nothing held.
+   stream's first event. No capacity: RESOURCE_EXHAUSTED, nothing held. The reservation also lends a
+   shared-memory segment that a prefill worker on the same host may write the KV into.
 2. TransferKV arrives from prefill: the header must present the reservation's token; every chunk is checked
-   as it lands. Any fault refuses the stream with its status, frees the partial KV, and fails step 1's stream.
+   as it lands (its bytes in the message, or in the lent segment). Any fault refuses the stream with its
+   status, frees the partial KV, and fails step 1's stream.
 3. The whole KV validated: the sequence joins the engine's continuous batch at the next step.
 4. Each step's token goes out on the Generate stream; eos, max_tokens or the context limit end it.
 5. The Generate call ending for any reason (done, gateway cancel, lease expiry, failure) frees everything.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import time
 from collections.abc import AsyncIterator
@@ -30,6 +33,8 @@ from decode_service.reservations import (
     Reservation,
     ReservationTable,
 )
+from kv_wire import buffers
+from kv_wire.buffers import BufferPool
 from kv_wire.layout import DEFAULT_CHUNK_BYTES, KVTransferError
 from kv_wire.receiver import KVReceiver, ReceivedKV
 from model_runner.forward import warm_up
@@ -38,6 +43,8 @@ from pdserve import serving
 from pdserve.serving import MAX_MESSAGE_BYTES, ServerConfig, add_server_args, server_config
 from protos import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, worker_pb2
 from protos.convert import model_info, sampling_from_pb
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,8 @@ class DecodeConfig:
     kv_budget_mb: float = 0  # 0 = enough for every slot at the full context length
     lease_s: float = 30.0
     max_chunk_bytes: int = 4 * DEFAULT_CHUNK_BYTES
+    kv_shm: bool = True  # lend shared-memory segments, so a prefill worker on this host skips the wire
+    buffer_keep_mb: float = 1024  # idle transfer buffers kept warm, per kind (staging, segments)
 
     def __post_init__(self) -> None:
         if self.max_seqs < 1:
@@ -58,11 +67,14 @@ class DecodeConfig:
             raise ValueError(f"--lease {self.lease_s}: must be > 0")
         if not 0 < self.max_chunk_bytes <= MAX_MESSAGE_BYTES // 2:
             raise ValueError(f"--max-chunk-bytes {self.max_chunk_bytes}: must be in (0, {MAX_MESSAGE_BYTES // 2}]")
+        if self.buffer_keep_mb < 0:
+            raise ValueError(f"--kv-buffer-keep-mb {self.buffer_keep_mb}: must be >= 0")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DecodeConfig:
         return cls(server=server_config(args), model=model_config(args), max_seqs=args.max_seqs,
-                   kv_budget_mb=args.kv_budget_mb, lease_s=args.lease_s, max_chunk_bytes=args.max_chunk_bytes)
+                   kv_budget_mb=args.kv_budget_mb, lease_s=args.lease_s, max_chunk_bytes=args.max_chunk_bytes,
+                   kv_shm=args.kv_shm, buffer_keep_mb=args.buffer_keep_mb)
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
@@ -76,6 +88,10 @@ class DecodeConfig:
                            help="seconds a reservation waits for its KV (default: %(default)s)")
         group.add_argument("--max-chunk-bytes", type=int, default=4 * DEFAULT_CHUNK_BYTES,
                            help="largest KV chunk accepted (default: %(default)s)")
+        group.add_argument("--no-kv-shm", action="store_false", dest="kv_shm",
+                           help="lend no shared-memory segments: every KV byte comes over gRPC")
+        group.add_argument("--kv-buffer-keep-mb", type=float, default=1024, dest="buffer_keep_mb",
+                           help="idle KV transfer buffers kept warm, per kind (default: %(default)s)")
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
@@ -87,6 +103,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         full = config.max_seqs * spec.max_model_len * spec.kv_bytes_per_token
         budget = int(config.kv_budget_mb * (1 << 20)) if config.kv_budget_mb else full
         self.table = ReservationTable(config.max_seqs, budget, spec.kv_bytes_per_token, config.lease_s)
+        keep = int(config.buffer_keep_mb * (1 << 20))
+        self.staging = BufferPool(shared=False, keep_bytes=keep)
+        self.segments = BufferPool(shared=True, keep_bytes=keep) if config.kv_shm and buffers.SHM_DIR.is_dir() else None
 
     async def Generate(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
@@ -99,14 +118,37 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         try:
+            await self._lend_segment(reservation)
             lease_ms = int(self.config.lease_s * 1000)
-            yield decode_pb2.DecodeEvent(reserved=decode_pb2.Reservation(token=reservation.token, lease_ms=lease_ms))
+            yield decode_pb2.DecodeEvent(reserved=decode_pb2.Reservation(
+                token=reservation.token, lease_ms=lease_ms,
+                shm_segment=reservation.segment.name if reservation.segment else ""))
             async for token_ids, reason in self._relay(reservation, context):
                 yield decode_pb2.DecodeEvent(tokens=decode_pb2.DecodedTokens(token_ids=token_ids, finish_reason=reason))
         finally:  # done, cancelled, expired or failed: free everything this request holds
             if reservation.sequence is not None:
                 self.engine.abort(reservation.sequence)
+            self._take_segment_back(reservation)
             self.table.release(reservation)
+
+    async def _lend_segment(self, reservation: Reservation) -> None:
+        if self.segments is None:
+            return
+        try:
+            segment = await asyncio.to_thread(self.segments.acquire,
+                                              reservation.params.prompt_tokens * self.spec.kv_bytes_per_token)
+        except OSError as exc:  # /dev/shm full or unavailable: this request's KV comes over gRPC
+            log.warning("no shared-memory segment for request %r: %s", reservation.params.request_id, exc)
+            return
+        buffers.stamp(segment, reservation.token)
+        reservation.segment = segment
+
+    def _take_segment_back(self, reservation: Reservation) -> None:
+        """Unstamp (a writer checks the stamp between layers) and return the segment to the pool."""
+        segment, reservation.segment = reservation.segment, None
+        if segment is not None and self.segments is not None:
+            buffers.stamp(segment, None)
+            self.segments.release(segment)
 
     async def _relay(
         self, reservation: Reservation, context: grpc.aio.ServicerContext
@@ -143,7 +185,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def TransferKV(
         self, request_iterator: AsyncIterator[kv_transfer_pb2.KVTransfer], context: grpc.aio.ServicerContext
     ) -> kv_transfer_pb2.KVTransferAck:
-        receiver = KVReceiver(self.spec, self.config.max_chunk_bytes)
+        receiver = KVReceiver(self.spec, self.config.max_chunk_bytes, self.staging)
         reservation: Reservation | None = None
         try:
             # A stream must present its header within the lease and finish by the reservation's expiry.
@@ -153,7 +195,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     raise receiver.fail(grpc.StatusCode.INVALID_ARGUMENT, "a KV stream must start with a header")
                 reservation = self.table.claim(first.header.request_id, first.header.reservation_token)
                 deadline.reschedule(_loop_time(reservation.expires_at))
-                receiver.accept_header(first.header, reservation.params.prompt_tokens)
+                receiver.accept_header(first.header, reservation.params.prompt_tokens, reservation.segment)
                 received = await self._receive(request_iterator, receiver, reservation)
         except KVTransferError as exc:
             await self._refuse(context, reservation, receiver, exc.code, str(exc))
@@ -196,7 +238,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         await context.abort(code, message)
 
     def _admit(self, reservation: Reservation, received: ReceivedKV) -> None:
+        self._take_segment_back(reservation)  # the KV is in private staging now
         if reservation.phase is not Phase.TRANSFERRING:  # released while the last chunk was checked
+            received.release()
             return
         params = reservation.params
         loop = asyncio.get_running_loop()
@@ -216,7 +260,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         )
         reservation.phase = Phase.ADMITTED
         reservation.sequence = seq
-        self.engine.submit(seq, received.layers)
+        self.engine.submit(seq, received.layers, received.release)
 
     async def GetInfo(
         self, request: worker_pb2.WorkerInfoRequest, context: grpc.aio.ServicerContext
@@ -230,6 +274,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             max_sequences=self.config.max_seqs,
             kv_budget_bytes=self.table.kv_budget_bytes,
             pid=os.getpid(),
+            live_buffer_bytes=self.staging.held_bytes + (self.segments.held_bytes if self.segments else 0),
         )
 
     async def _params(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext) -> DecodeParams:
@@ -259,6 +304,7 @@ def _loop_time(monotonic_deadline: float) -> float:
 
 
 async def serve(config: DecodeConfig) -> None:
+    buffers.remove_orphans()  # segments a killed worker left in /dev/shm
     runner = await asyncio.to_thread(config.model.load)
     await asyncio.to_thread(warm_up, runner)
     servicer = DecodeServicer(config, runner)
@@ -270,5 +316,8 @@ async def serve(config: DecodeConfig) -> None:
 
     async def shutdown() -> None:
         await asyncio.to_thread(servicer.engine.stop)
+        servicer.staging.close()
+        if servicer.segments is not None:
+            servicer.segments.close()
 
     await serving.serve("decode", config.server, register, shutdown)

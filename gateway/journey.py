@@ -44,6 +44,7 @@ class Timings:
     kv_exposed_ms: float = 0.0
     kv_transfer_ms: float = 0.0
     kv_bytes: int = 0
+    kv_transport: str = ""
 
 
 def _hop_error(exc: grpc.aio.AioRpcError, hop: str, worker: Worker) -> GatewayError:
@@ -52,7 +53,7 @@ def _hop_error(exc: grpc.aio.AioRpcError, hop: str, worker: Worker) -> GatewayEr
 
 async def reserve(
     params: GenerateParams, pool: Pool, timeout: float | None
-) -> tuple[Worker, grpc.aio.UnaryStreamCall, str]:
+) -> tuple[Worker, grpc.aio.UnaryStreamCall, decode_pb2.Reservation]:
     """Open a Generate call on the first decode worker with room; its first event is the reservation."""
     request = decode_pb2.DecodeRequest(
         request_id=params.request_id, prompt_tokens=len(params.prompt_ids), max_tokens=params.max_tokens,
@@ -70,7 +71,7 @@ async def reserve(
         if event is grpc.aio.EOF or event.WhichOneof("event") != "reserved":
             call.cancel()
             raise GatewayError(grpc.StatusCode.INTERNAL, f"decode worker {worker.address} sent no reservation")
-        return worker, call, event.reserved.token
+        return worker, call, event.reserved
     if any(exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for exc in refusals):
         raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            "no decode capacity: every decode worker is full; retry later")
@@ -82,12 +83,13 @@ async def run(
     params: GenerateParams, prefill: Pool, decode: Pool, timings: Timings, timeout: float | None
 ) -> AsyncGenerator[Tokens, None]:
     started = time.perf_counter()
-    decode_worker, decode_call, token = await reserve(params, decode, timeout)
+    decode_worker, decode_call, reservation = await reserve(params, decode, timeout)
     timings.reserve_ms = (time.perf_counter() - started) * 1e3
     prefill_worker = prefill.in_turn()[0]
     prefill_call = prefill_worker.stub.Prefill(prefill_pb2.PrefillRequest(
         request_id=params.request_id, token_ids=params.prompt_ids, sampling=sampling_to_pb(params.sampling),
-        decode_address=decode_worker.address, reservation_token=token), timeout=timeout)
+        decode_address=decode_worker.address, reservation_token=reservation.token,
+        shm_segment=reservation.shm_segment), timeout=timeout)
     transfer: asyncio.Future[prefill_pb2.TransferDone] | None = None
     try:
         first = await _prefill_event(prefill_call, prefill_worker, "first_token")
@@ -99,7 +101,7 @@ async def run(
             if tokens.finish_reason:
                 break
         if not transfer.done():  # decode may finish before prefill's acknowledgement reaches us
-            await asyncio.wait([transfer], timeout=1.0)
+            await asyncio.wait([transfer], timeout=5.0)
         if transfer.done() and not transfer.cancelled() and transfer.exception() is None:
             _record_transfer(timings, transfer.result())
     finally:
@@ -122,6 +124,7 @@ async def _prefill_event(call: grpc.aio.UnaryStreamCall, worker: Worker, kind: s
 def _record_transfer(timings: Timings, event: prefill_pb2.PrefillEvent) -> None:
     done = event.transfer_done
     timings.kv_exposed_ms, timings.kv_transfer_ms, timings.kv_bytes = done.exposed_ms, done.transfer_ms, done.kv_bytes
+    timings.kv_transport = done.transport
 
 
 async def _decoded(

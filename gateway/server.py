@@ -134,7 +134,8 @@ def _timing(timings: Timings, arrived: float, first_at: float, generated: int) -
     return gateway_pb2.Timing(
         ttft_ms=(first_at - arrived) * 1e3, reserve_ms=timings.reserve_ms, prefill_queue_ms=timings.prefill_queue_ms,
         prefill_ms=timings.prefill_ms, kv_exposed_ms=timings.kv_exposed_ms, kv_transfer_ms=timings.kv_transfer_ms,
-        kv_bytes=timings.kv_bytes, decode_tokens_per_s=(generated - 1) / decode_s if generated > 1 and decode_s else 0,
+        kv_bytes=timings.kv_bytes, kv_transport=timings.kv_transport,
+        decode_tokens_per_s=(generated - 1) / decode_s if generated > 1 and decode_s else 0,
         total_ms=(now - arrived) * 1e3)
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import google_crc32c
 import grpc
+import numpy as np
 import torch
 
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,3 +53,11 @@ class KVLayout:
     @property
     def tensor_shape(self) -> tuple[int, int, int]:
         return (self.num_kv_heads, self.num_tokens, self.head_dim)
+
+
+def crc32c(data: bytes | np.ndarray) -> int:
+    """CRC32C of bytes or of a uint8 array, without copying it (google_crc32c reads only read-only buffers)."""
+    if isinstance(data, np.ndarray) and data.flags.writeable:
+        data = data.view()
+        data.flags.writeable = False
+    return google_crc32c.value(data)

@@ -2,18 +2,23 @@
 
 Nothing is handed on until the trailer proved the stream whole: every tensor covered exactly once, in order,
 every checksum right, the totals equal. Any violation raises KVTransferError with the status that names it.
+
+The KV is assembled in a private staging buffer from a warm pool. On the shared-memory path each chunk is
+copied out of the segment first and its checksum verified on the private copy, so a writer that keeps
+writing into the segment after its lease ended can never change KV that was already verified.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-import google_crc32c
 import grpc
 import numpy as np
 import torch
 
-from kv_wire.layout import LOSSY_WIRE_DTYPES, WIRE_DTYPES, KVLayout, KVTransferError, TransferState
+from kv_wire.buffers import Buffer, BufferPool, data_region
+from kv_wire.layout import LOSSY_WIRE_DTYPES, WIRE_DTYPES, KVLayout, KVTransferError, TransferState, crc32c
 from model_runner.loading import ModelSpec
 from protos import kv_transfer_pb2 as pb
 
@@ -25,22 +30,29 @@ class ReceivedKV:
     layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values (num_kv_heads, num_tokens, head_dim)
     first_token: int
     nbytes: int
+    release: Callable[[], None]  # gives the staging memory back once the KV was copied where it lives next
 
 
 class KVReceiver:
-    def __init__(self, spec: ModelSpec, max_chunk_bytes: int) -> None:
+    def __init__(self, spec: ModelSpec, max_chunk_bytes: int, staging: BufferPool) -> None:
         self.spec = spec
         self.max_chunk_bytes = max_chunk_bytes
         self.state = TransferState.WAITING
         self.layout: KVLayout | None = None
-        self._buffer: torch.Tensor | None = None  # (num_layers, 2, heads, tokens, head_dim)
+        self._pool = staging
+        self._staging: Buffer | None = None
+        self._segment: np.ndarray | None = None  # shm streams: the lent segment's data region
+        self._buffer: torch.Tensor | None = None  # (num_layers, 2, heads, tokens, head_dim), in _staging
         self._bytes: np.ndarray | None = None  # the same memory, as uint8
         self._next_offset: dict[tuple[int, int], int] = {}
         self.bytes_received = 0
         self.chunks_received = 0
 
-    def accept_header(self, header: pb.KVHeader, reserved_tokens: int) -> KVLayout:
-        """Check the header against this worker's model and the reservation; allocate the receive buffer."""
+    def accept_header(self, header: pb.KVHeader, reserved_tokens: int, segment: Buffer | None) -> KVLayout:
+        """Check the header against this worker's model and the reservation; take a staging buffer.
+
+        `segment` is the shared-memory segment lent to the reservation, if any.
+        """
         spec = self.spec
         if header.model_fingerprint != spec.fingerprint:
             raise self.fail(grpc.StatusCode.FAILED_PRECONDITION,
@@ -62,10 +74,17 @@ class KVReceiver:
         if not 0 < header.chunk_bytes <= self.max_chunk_bytes:
             raise self.fail(grpc.StatusCode.INVALID_ARGUMENT,
                              f"header.chunk_bytes {header.chunk_bytes} outside (0, {self.max_chunk_bytes}]")
-        self.layout = KVLayout(header.num_layers, header.num_kv_heads, header.head_dim, header.num_tokens, header.dtype)
-        shape = (self.layout.num_layers, 2, *self.layout.tensor_shape)
-        self._buffer = torch.empty(shape, dtype=WIRE_DTYPES[header.dtype])
-        self._bytes = self._buffer.view(-1).view(torch.uint8).numpy()
+        if header.shm and segment is None:
+            raise self.fail(grpc.StatusCode.INVALID_ARGUMENT,
+                            "header says the KV is in shared memory, but this reservation was lent no segment")
+        self.layout = layout = KVLayout(header.num_layers, header.num_kv_heads, header.head_dim, header.num_tokens,
+                                        header.dtype)
+        if segment is not None and header.shm:
+            self._segment = data_region(segment, layout.total_bytes)
+        self._staging = self._pool.acquire(layout.total_bytes)
+        self._bytes = self._staging.array[: layout.total_bytes]
+        shape = (layout.num_layers, 2, *layout.tensor_shape)
+        self._buffer = torch.from_numpy(self._bytes).view(WIRE_DTYPES[header.dtype]).view(shape)
         self.state = TransferState.TRANSFERRING
         return self.layout
 
@@ -77,7 +96,12 @@ class KVReceiver:
                              f"chunk names layer {chunk.layer} kind {chunk.kind}: no such tensor")
         key = (chunk.layer, _KIND_INDEX[chunk.kind])
         expected_offset = self._next_offset.get(key, 0)
-        size = len(chunk.data)
+        in_segment = self._segment is not None
+        if in_segment and chunk.data or not in_segment and chunk.length:
+            raise self.fail(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"layer {chunk.layer} chunk: {'data in a shared-memory' if in_segment else 'length in a'}"
+                            " stream (shm chunks carry a length, gRPC chunks their data)")
+        size = chunk.length if in_segment else len(chunk.data)
         if chunk.offset != expected_offset:
             raise self.fail(grpc.StatusCode.INVALID_ARGUMENT,
                              f"layer {chunk.layer} chunk at offset {chunk.offset}, expected {expected_offset} "
@@ -86,11 +110,18 @@ class KVReceiver:
             raise self.fail(grpc.StatusCode.DATA_LOSS,
                              f"layer {chunk.layer} chunk of {size} bytes at offset {chunk.offset} does not fit a "
                              f"{layout.tensor_bytes}-byte tensor")
-        if google_crc32c.value(chunk.data) != chunk.crc32c:
-            raise self.fail(grpc.StatusCode.DATA_LOSS,
-                             f"layer {chunk.layer} chunk at offset {chunk.offset}: CRC32C mismatch")
         start = (key[0] * 2 + key[1]) * layout.tensor_bytes + chunk.offset
-        target[start : start + size] = np.frombuffer(chunk.data, dtype=np.uint8)
+        landed = target[start : start + size]
+        if self._segment is not None:
+            landed[:] = self._segment[start : start + size]  # copy first, then verify the copy
+            good = crc32c(landed) == chunk.crc32c
+        else:
+            good = crc32c(chunk.data) == chunk.crc32c
+            if good:
+                landed[:] = np.frombuffer(chunk.data, dtype=np.uint8)
+        if not good:
+            raise self.fail(grpc.StatusCode.DATA_LOSS,
+                            f"layer {chunk.layer} chunk at offset {chunk.offset}: CRC32C mismatch")
         self._next_offset[key] = chunk.offset + size
         self.bytes_received += size
         self.chunks_received += 1
@@ -115,13 +146,17 @@ class KVReceiver:
                              f"trailer.first_token {trailer.first_token} is outside the vocabulary")
         self.state = TransferState.COMPLETE
         layers = [(buffer[i, 0], buffer[i, 1]) for i in range(layout.num_layers)]
-        return ReceivedKV(layers=layers, first_token=trailer.first_token, nbytes=layout.total_bytes)
+        staging, pool = self._staging, self._pool
+        assert staging is not None
+        self._staging = self._buffer = self._bytes = self._segment = None  # the ReceivedKV owns the staging now
+        return ReceivedKV(layers=layers, first_token=trailer.first_token, nbytes=layout.total_bytes,
+                          release=lambda: pool.release(staging))
 
     def fail(self, code: grpc.StatusCode, message: str) -> KVTransferError:
+        """Mark the transfer failed and free the partial KV at once; returns the error to raise."""
         self.state = TransferState.FAILED
-        self._buffer = self._bytes = None  # partial KV is dropped here, not later
+        self._buffer = self._bytes = self._segment = None
+        if self._staging is not None:
+            self._pool.release(self._staging)
+            self._staging = None
         return KVTransferError(code, message)
-
-    @property
-    def held_bytes(self) -> int:
-        return 0 if self._buffer is None or self.layout is None else self.layout.total_bytes

@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import google_crc32c
+import grpc
 import torch
 
-from kv_wire.layout import WIRE_DTYPES, KVLayout, TransferState
+from kv_wire.buffers import LentSegment
+from kv_wire.layout import WIRE_DTYPES, KVLayout, KVTransferError, TransferState, crc32c
 from protos import kv_transfer_pb2 as pb
 
 _KINDS = (pb.KV_KIND_KEYS, pb.KV_KIND_VALUES)
@@ -16,7 +17,11 @@ _KINDS = (pb.KV_KIND_KEYS, pb.KV_KIND_VALUES)
 
 @dataclass
 class KVSender:
-    """Encodes one request's KV. Feed it layers in order; it yields the wire messages and counts what it sent."""
+    """Encodes one request's KV. Feed it layers in order; it yields the wire messages and counts what it sent.
+
+    With a `segment` (the same-host fast path) each chunk's bytes are written into decode's shared-memory
+    segment and the message carries only where they are and their checksum.
+    """
 
     request_id: str
     reservation_token: str
@@ -24,6 +29,7 @@ class KVSender:
     layout: KVLayout
     chunk_bytes: int
     trace_context: dict[str, str] = field(default_factory=dict)
+    segment: LentSegment | None = None
     state: TransferState = TransferState.WAITING
     bytes_sent: int = 0
     chunks_sent: int = 0
@@ -41,20 +47,37 @@ class KVSender:
             num_tokens=self.layout.num_tokens,
             chunk_bytes=self.chunk_bytes,
             trace_context=self.trace_context,
+            shm=self.segment is not None,
         ))
+
+    @property
+    def transport(self) -> str:
+        return "grpc" if self.segment is None else "shm"
 
     def layer(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> list[pb.KVTransfer]:
         """The chunks of one layer; keys and values are (num_kv_heads, num_tokens, head_dim)."""
+        if self.segment is not None and not self.segment.still_lent():
+            raise KVTransferError(grpc.StatusCode.CANCELLED,
+                                  "decode took its shared-memory segment back (reservation released)")
         messages = []
         for kind, tensor in zip(_KINDS, (keys, values)):
             # flat bytes; copies only for a GPU tensor, a downcast or a non-contiguous view
             wire = tensor.detach().to("cpu", WIRE_DTYPES[self.layout.dtype]).contiguous()
-            raw = wire.view(-1).view(torch.uint8).numpy().data
+            raw = wire.view(-1).view(torch.uint8).numpy()
+            base = (index * 2 + kind - 1) * self.layout.tensor_bytes  # kind is 1 (keys) or 2 (values)
             for offset in range(0, len(raw), self.chunk_bytes):
-                data = bytes(raw[offset : offset + self.chunk_bytes])
-                chunk = pb.KVChunk(layer=index, kind=kind, offset=offset, data=data, crc32c=google_crc32c.value(data))
+                piece = raw[offset : offset + self.chunk_bytes]
+                if self.segment is None:
+                    data = piece.tobytes()
+                    chunk = pb.KVChunk(layer=index, kind=kind, offset=offset, data=data,
+                                       crc32c=crc32c(data))
+                else:
+                    target = self.segment.data[base + offset : base + offset + len(piece)]
+                    target[:] = piece
+                    chunk = pb.KVChunk(layer=index, kind=kind, offset=offset, length=len(piece),
+                                       crc32c=crc32c(target))
                 messages.append(pb.KVTransfer(chunk=chunk))
-                self.bytes_sent += len(data)
+                self.bytes_sent += len(piece)
                 self.chunks_sent += 1
         return messages
 
@@ -78,3 +101,4 @@ async def encode_stream(
             return
         for message in sender.layer(*item):
             yield message
+

@@ -4,7 +4,9 @@ Life of a request here:
 1. Prefill arrives from the gateway with the prompt's token ids and a decode reservation (address + token).
 2. It waits in a FIFO queue for the one thread that owns the model.
 3. The forward pass runs; as each layer finishes, its KV is handed to the event loop, which streams it to the
-   decode worker (TransferKV: header, chunks, ...) while later layers still compute.
+   decode worker (TransferKV: header, chunks, ...) while later layers still compute. When decode lent a
+   shared-memory segment this worker can open (same host), the bytes go there and the stream carries only
+   descriptors and checksums.
 4. The first token is sampled from the last position and sent to the gateway at once (TTFT does not wait for
    the transfer); the KV stream is closed with a trailer that carries it.
 5. Decode acknowledges: the call ends with TransferDone. A refused transfer ends the call with decode's status;
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from kv_wire.buffers import SegmentMaps
 from kv_wire.layout import DEFAULT_CHUNK_BYTES, LOSSY_WIRE_DTYPES, KVLayout, TransferState
 from kv_wire.sender import KVSender, encode_stream
 from model_runner import forward
@@ -42,6 +45,7 @@ class PrefillConfig:
     model: ModelConfig
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     wire_dtype: str = ""  # "" = the model's own; or a lossy downcast of float32 KV
+    kv_shm: bool = True  # write KV into a segment decode lent, when it is on this host
 
     def __post_init__(self) -> None:
         if self.wire_dtype and (self.wire_dtype not in LOSSY_WIRE_DTYPES or self.model.dtype != "float32"):
@@ -53,7 +57,7 @@ class PrefillConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PrefillConfig:
         return cls(server=server_config(args), model=model_config(args), chunk_bytes=args.chunk_bytes,
-                   wire_dtype=args.wire_dtype)
+                   wire_dtype=args.wire_dtype, kv_shm=args.kv_shm)
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +69,8 @@ class PrefillConfig:
         group.add_argument("--wire-dtype", default="", choices=["", *LOSSY_WIRE_DTYPES],
                            help="send float32 KV as bfloat16 or float16: half the bytes, lossy (default: the "
                            "model's dtype, exact)")
+        group.add_argument("--no-kv-shm", action="store_false", dest="kv_shm",
+                           help="never use a decode worker's shared-memory segment: send every KV byte over gRPC")
 
 
 class _Abandoned(Exception):
@@ -115,6 +121,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.spec = runner.spec
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-model")
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._segments = SegmentMaps()
         self._in_flight = 0
         self._pending_kv_bytes = 0
 
@@ -126,8 +133,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         spec = self.spec
         layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, len(token_ids),
                           self.config.wire_dtype or spec.dtype)
+        segment = None
+        if self.config.kv_shm and request.shm_segment:
+            segment = self._segments.open(request.shm_segment, request.reservation_token, layout.total_bytes)
         sender = KVSender(request.request_id, request.reservation_token, spec.fingerprint, layout,
-                          self.config.chunk_bytes)
+                          self.config.chunk_bytes, segment=segment)
         abandon = threading.Event()
         push = _KVPush(decode_pb2_grpc.DecodeStub(self._channel(request.decode_address)), sender, abandon)
 
@@ -158,7 +168,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             done = time.perf_counter()
             yield prefill_pb2.PrefillEvent(transfer_done=prefill_pb2.TransferDone(
                 kv_bytes=sender.bytes_sent, chunks=sender.chunks_sent,
-                exposed_ms=(done - ended) * 1e3, transfer_ms=(done - push.started_at) * 1e3))
+                exposed_ms=(done - ended) * 1e3, transfer_ms=(done - push.started_at) * 1e3,
+                transport=sender.transport))
         finally:  # finished, cancelled or failed: stop computing, stop sending
             abandon.set()
             push.cancel()
@@ -210,6 +221,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def close(self) -> None:
         for channel in self._channels.values():
             await channel.close()
+        self._segments.close()
         self._model_thread.shutdown(wait=True, cancel_futures=True)
 
 

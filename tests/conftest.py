@@ -61,18 +61,18 @@ def worker_infos(cluster: Cluster) -> list[worker_pb2.WorkerInfo]:
     return infos
 
 
-def held(info: worker_pb2.WorkerInfo) -> tuple[int, int, int]:
-    return info.live_reservations, info.live_sequences, info.live_kv_bytes
+def held(info: worker_pb2.WorkerInfo) -> tuple[int, int, int, int]:
+    return info.live_reservations, info.live_sequences, info.live_kv_bytes, info.live_buffer_bytes
 
 
 def assert_nothing_held(cluster: Cluster, within_s: float = 2.0) -> None:
-    """Every worker's live reservations, sequences and KV bytes return to zero within `within_s`."""
+    """Every worker's live reservations, sequences, KV bytes and transfer buffers return to zero in `within_s`."""
     deadline = time.monotonic() + within_s
     while True:
         infos = worker_infos(cluster)
-        if all(held(info) == (0, 0, 0) for info in infos):
+        if all(held(info) == (0, 0, 0, 0) for info in infos):
             return
         if time.monotonic() > deadline:
-            raise AssertionError("still held (reservations, sequences, kv bytes): "
+            raise AssertionError("still held (reservations, sequences, kv bytes, buffer bytes): "
                                  + ", ".join(f"{i.role} pid {i.pid}: {held(i)}" for i in infos))
         time.sleep(0.05)

@@ -1,18 +1,28 @@
-"""The KV wire codec: round trips through chunking, and every malformed stream refused with its status."""
+"""The KV wire codec: round trips through chunking on both paths, and every malformed stream refused."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import grpc
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kv_wire import buffers
+from kv_wire.buffers import Buffer, BufferPool, SegmentMaps
 from kv_wire.layout import WIRE_DTYPES, KVLayout, KVTransferError, TransferState
 from kv_wire.receiver import KVReceiver
 from kv_wire.sender import KVSender
 from model_runner.loading import ModelSpec
 from protos import kv_transfer_pb2 as pb
+
+STAGING = BufferPool(shared=False, keep_bytes=64 << 20)
+SEGMENTS = BufferPool(shared=True, keep_bytes=64 << 20)
+TRANSPORTS = ["grpc", "shm"]
 
 
 def _spec(layers: int, heads: int, head_dim: int, dtype: str) -> ModelSpec:
@@ -20,11 +30,29 @@ def _spec(layers: int, heads: int, head_dim: int, dtype: str) -> ModelSpec:
                      head_dim=head_dim, vocab_size=100, max_model_len=4096, eos_token_ids=(2,))
 
 
+@contextmanager
+def _segment(transport: str, nbytes: int) -> Iterator[Buffer | None]:
+    """For "shm", a real /dev/shm segment lent to the reservation token "token", taken back afterwards."""
+    if transport == "grpc":
+        yield None
+        return
+    segment = SEGMENTS.acquire(nbytes)
+    buffers.stamp(segment, "token")
+    try:
+        yield segment
+    finally:
+        buffers.stamp(segment, None)
+        SEGMENTS.release(segment)
+
+
 def _encode(
-    spec: ModelSpec, kv: list[tuple[torch.Tensor, torch.Tensor]], tokens: int, chunk: int
+    spec: ModelSpec, kv: list[tuple[torch.Tensor, torch.Tensor]], tokens: int, chunk: int,
+    segment: Buffer | None = None, wire_dtype: str = "",
 ) -> list[pb.KVTransfer]:
-    layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, tokens, spec.dtype)
-    sender = KVSender("r1", "token", spec.fingerprint, layout, chunk)
+    layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, tokens, wire_dtype or spec.dtype)
+    lent = SegmentMaps().open(segment.name, "token", layout.total_bytes) if segment and segment.name else None
+    assert (segment is None) == (lent is None), "the segment must open as the one lent to 'token'"
+    sender = KVSender("r1", "token", spec.fingerprint, layout, chunk, segment=lent)
     messages = [sender.header()]
     for i, (k, v) in enumerate(kv):
         messages += sender.layer(i, k, v)
@@ -37,9 +65,10 @@ def _random_kv(spec: ModelSpec, tokens: int) -> list[tuple[torch.Tensor, torch.T
     return [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(spec.num_layers)]
 
 
-def _decode(spec: ModelSpec, messages: list[pb.KVTransfer], tokens: int, max_chunk: int = 1 << 22):
-    receiver = KVReceiver(spec, max_chunk)
-    receiver.accept_header(messages[0].header, tokens)
+def _decode(spec: ModelSpec, messages: list[pb.KVTransfer], tokens: int, segment: Buffer | None = None,
+            max_chunk: int = 1 << 22):
+    receiver = KVReceiver(spec, max_chunk, STAGING)
+    receiver.accept_header(messages[0].header, tokens, segment)
     for message in messages[1:-1]:
         receiver.accept_chunk(message.chunk)
     return receiver, receiver.finish(messages[-1].trailer)
@@ -48,64 +77,94 @@ def _decode(spec: ModelSpec, messages: list[pb.KVTransfer], tokens: int, max_chu
 @settings(max_examples=40, deadline=None)
 @given(layers=st.integers(1, 4), heads=st.integers(1, 4), head_dim=st.sampled_from([1, 8, 64]),
        tokens=st.integers(1, 70), dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
-       chunk=st.integers(1, 5000))
-def test_round_trip_is_bit_exact(layers: int, heads: int, head_dim: int, tokens: int, dtype: str, chunk: int) -> None:
+       chunk=st.integers(1, 5000), transport=st.sampled_from(TRANSPORTS))
+def test_round_trip_is_bit_exact(
+    layers: int, heads: int, head_dim: int, tokens: int, dtype: str, chunk: int, transport: str
+) -> None:
     spec = _spec(layers, heads, head_dim, dtype)
     kv = _random_kv(spec, tokens)
-    messages = _encode(spec, kv, tokens, chunk)
-    assert all(len(m.chunk.data) <= chunk for m in messages[1:-1])
-    receiver, received = _decode(spec, messages, tokens)
+    nbytes = sum(k.nbytes + v.nbytes for k, v in kv)
+    with _segment(transport, nbytes) as segment:
+        messages = _encode(spec, kv, tokens, chunk, segment)
+        assert messages[0].header.shm == (transport == "shm")
+        sizes = [m.chunk.length if transport == "shm" else len(m.chunk.data) for m in messages[1:-1]]
+        assert max(sizes) <= chunk and sum(sizes) == nbytes
+        if transport == "shm":
+            assert all(not m.chunk.data for m in messages[1:-1])  # only descriptors on the wire
+        receiver, received = _decode(spec, messages, tokens, segment)
     assert receiver.state is TransferState.COMPLETE
-    assert received.first_token == 7 and received.nbytes == sum(k.nbytes + v.nbytes for k, v in kv)
+    assert received.first_token == 7 and received.nbytes == nbytes
     for (k, v), (k2, v2) in zip(kv, received.layers):
         assert torch.equal(k.view(torch.uint8), k2.contiguous().view(torch.uint8))
         assert torch.equal(v.view(torch.uint8), v2.contiguous().view(torch.uint8))
+    received.release()
+    assert STAGING.held_bytes == 0
 
 
 SPEC = _spec(2, 2, 8, "float32")
 TOKENS = 5
+_TENSOR = KVLayout(SPEC.num_layers, SPEC.num_kv_heads, SPEC.head_dim, TOKENS, SPEC.dtype).tensor_bytes
 
 
-def _good() -> list[pb.KVTransfer]:
+def _good(segment: Buffer | None = None) -> list[pb.KVTransfer]:
     torch.manual_seed(0)
-    return _encode(SPEC, _random_kv(SPEC, TOKENS), TOKENS, chunk=64)
+    return _encode(SPEC, _random_kv(SPEC, TOKENS), TOKENS, chunk=64, segment=segment)
 
 
-def _corrupt(messages: list[pb.KVTransfer]) -> list[pb.KVTransfer]:
-    messages[3].chunk.data = bytes([messages[3].chunk.data[0] ^ 1]) + messages[3].chunk.data[1:]
+# Each damage takes the messages and the lent segment (None on the gRPC path) and returns the damaged stream.
+def _corrupt(messages: list[pb.KVTransfer], segment: Buffer | None) -> list[pb.KVTransfer]:
+    chunk = messages[3].chunk
+    if segment is None:
+        chunk.data = bytes([chunk.data[0] ^ 1]) + chunk.data[1:]
+    else:  # a byte of the chunk flipped in shared memory after the checksum was taken
+        place = buffers.STAMP_BYTES + (chunk.layer * 2 + chunk.kind - 1) * _TENSOR + chunk.offset
+        segment.array[place] ^= 1
     return messages
 
 
-def _drop(messages: list[pb.KVTransfer]) -> list[pb.KVTransfer]:
+def _drop(messages: list[pb.KVTransfer], segment: Buffer | None) -> list[pb.KVTransfer]:
     del messages[4]
     return messages
 
 
-def _swap(messages: list[pb.KVTransfer]) -> list[pb.KVTransfer]:
+def _swap(messages: list[pb.KVTransfer], segment: Buffer | None) -> list[pb.KVTransfer]:
     messages[2], messages[3] = messages[3], messages[2]
     return messages
 
 
-def _duplicate(messages: list[pb.KVTransfer]) -> list[pb.KVTransfer]:
+def _duplicate(messages: list[pb.KVTransfer], segment: Buffer | None) -> list[pb.KVTransfer]:
     messages.insert(3, messages[2])
     return messages
 
 
-def _oversized(messages: list[pb.KVTransfer]) -> list[pb.KVTransfer]:
+def _oversized(messages: list[pb.KVTransfer], segment: Buffer | None) -> list[pb.KVTransfer]:
     last_chunk = messages[-2].chunk
-    last_chunk.data += b"\0" * 8
+    if segment is None:
+        last_chunk.data += b"\0" * 8
+    else:
+        last_chunk.length += 8
     return messages
 
 
-def _truncate(messages: list[pb.KVTransfer]) -> list[pb.KVTransfer]:
+def _truncate(messages: list[pb.KVTransfer], segment: Buffer | None) -> list[pb.KVTransfer]:
     return messages[:6] + [messages[-1]]
 
 
-def _wrong_trailer(messages: list[pb.KVTransfer]) -> list[pb.KVTransfer]:
+def _wrong_trailer(messages: list[pb.KVTransfer], segment: Buffer | None) -> list[pb.KVTransfer]:
     messages[-1].trailer.num_chunks += 1
     return messages
 
 
+def _mixed(messages: list[pb.KVTransfer], segment: Buffer | None) -> list[pb.KVTransfer]:
+    """A chunk of the other path's kind: data in an shm stream, a length in a gRPC one."""
+    if segment is None:
+        messages[2].chunk.length = len(messages[2].chunk.data)
+    else:
+        messages[2].chunk.data = b"\0" * messages[2].chunk.length
+    return messages
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize(("damage", "code"), [
     (_corrupt, grpc.StatusCode.DATA_LOSS),
     (_drop, grpc.StatusCode.INVALID_ARGUMENT),
@@ -114,17 +173,74 @@ def _wrong_trailer(messages: list[pb.KVTransfer]) -> list[pb.KVTransfer]:
     (_oversized, grpc.StatusCode.DATA_LOSS),
     (_truncate, grpc.StatusCode.DATA_LOSS),
     (_wrong_trailer, grpc.StatusCode.DATA_LOSS),
+    (_mixed, grpc.StatusCode.INVALID_ARGUMENT),
 ])
-def test_damaged_stream_is_refused_with_its_status_and_buffer_dropped(damage, code: grpc.StatusCode) -> None:
-    messages = damage(_good())
-    receiver = KVReceiver(SPEC, 1 << 20)
-    with pytest.raises(KVTransferError) as refused:
-        receiver.accept_header(messages[0].header, TOKENS)
-        for message in messages[1:-1]:
-            receiver.accept_chunk(message.chunk)
-        receiver.finish(messages[-1].trailer)
+def test_damaged_stream_is_refused_with_its_status_and_buffer_dropped(damage, code: grpc.StatusCode,
+                                                                      transport: str) -> None:
+    receiver = KVReceiver(SPEC, 1 << 20, STAGING)
+    with _segment(transport, 2 * SPEC.num_layers * _TENSOR) as segment:
+        messages = damage(_good(segment), segment)
+        with pytest.raises(KVTransferError) as refused:
+            receiver.accept_header(messages[0].header, TOKENS, segment)
+            for message in messages[1:-1]:
+                receiver.accept_chunk(message.chunk)
+            receiver.finish(messages[-1].trailer)
     assert refused.value.code == code
-    assert receiver.state is TransferState.FAILED and receiver.held_bytes == 0
+    assert receiver.state is TransferState.FAILED and STAGING.held_bytes == 0
+
+
+def test_shm_header_without_a_lent_segment_is_refused() -> None:
+    with _segment("shm", 2 * SPEC.num_layers * _TENSOR) as segment:
+        header = _good(segment)[0].header
+    with pytest.raises(KVTransferError) as refused:
+        KVReceiver(SPEC, 1 << 20, STAGING).accept_header(header, TOKENS, None)
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_sender_stops_writing_once_decode_takes_the_segment_back() -> None:
+    layout = KVLayout(SPEC.num_layers, SPEC.num_kv_heads, SPEC.head_dim, TOKENS, SPEC.dtype)
+    kv = _random_kv(SPEC, TOKENS)
+    with _segment("shm", layout.total_bytes) as segment:
+        assert segment is not None and segment.name is not None
+        lent = SegmentMaps().open(segment.name, "token", layout.total_bytes)
+        assert lent is not None and SegmentMaps().open(segment.name, "other-token", layout.total_bytes) is None
+        sender = KVSender("r1", "token", SPEC.fingerprint, layout, 64, segment=lent)
+        sender.layer(0, *kv[0])
+        buffers.stamp(segment, None)  # decode released the reservation
+        before = segment.array.copy()
+        with pytest.raises(KVTransferError) as stopped:
+            sender.layer(1, *kv[1])
+        assert stopped.value.code == grpc.StatusCode.CANCELLED
+        assert np.array_equal(before, segment.array)  # layer 1 never written
+
+
+def test_segments_of_dead_owners_are_removed_and_live_ones_kept() -> None:
+    live = SEGMENTS.acquire(1)
+    dead_pid = 2**22 + 12345  # above pid_max on Linux defaults: never a live process
+    orphan = buffers.SHM_DIR / f"{buffers.SEGMENT_PREFIX}{dead_pid}-{'ab' * 8}"
+    orphan.write_bytes(b"left by a killed worker")
+    try:
+        assert buffers.remove_orphans() >= 1
+        assert not orphan.exists()
+        assert (buffers.SHM_DIR / str(live.name)).exists()
+    finally:
+        orphan.unlink(missing_ok=True)
+        SEGMENTS.release(live)
+
+
+def test_pool_reuses_warm_buffers_and_bounds_what_it_keeps() -> None:
+    pool = BufferPool(shared=True, keep_bytes=4 << 20)
+    first = pool.acquire(3 << 20)
+    assert first.size == 4 << 20 and pool.held_bytes == 4 << 20
+    pool.release(first)
+    second = pool.acquire(1 << 20)  # the idle 4 MiB buffer fits: reused, not a new segment
+    assert second is first and pool.idle_bytes == 0
+    big = pool.acquire(5 << 20)
+    pool.release(second)
+    pool.release(big)  # 4 + 8 MiB idle > 4 MiB kept: the largest is unmapped and its name removed
+    assert pool.idle_bytes == 4 << 20 and not (buffers.SHM_DIR / str(big.name)).exists()
+    pool.close()
+    assert not (buffers.SHM_DIR / str(first.name)).exists()
 
 
 @pytest.mark.parametrize(("field", "value", "code"), [
@@ -138,30 +254,28 @@ def test_mismatched_header_is_refused(field: str, value: object, code: grpc.Stat
     header = _good()[0].header
     setattr(header, field, value)
     with pytest.raises(KVTransferError) as refused:
-        KVReceiver(SPEC, 1 << 20).accept_header(header, TOKENS)
+        KVReceiver(SPEC, 1 << 20, STAGING).accept_header(header, TOKENS, None)
     assert refused.value.code == code
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("wire", ["bfloat16", "float16"])
-def test_float32_kv_downcast_on_the_wire_is_marked_and_accepted(wire: str) -> None:
+def test_float32_kv_downcast_on_the_wire_is_marked_and_accepted(wire: str, transport: str) -> None:
     torch.manual_seed(0)
     kv = _random_kv(SPEC, TOKENS)
-    layout = KVLayout(SPEC.num_layers, SPEC.num_kv_heads, SPEC.head_dim, TOKENS, wire)
-    sender = KVSender("r1", "token", SPEC.fingerprint, layout, 64)
-    messages = [sender.header()]
-    for i, (k, v) in enumerate(kv):
-        messages += sender.layer(i, k, v)
-    messages.append(sender.trailer(7))
-    assert messages[0].header.dtype == wire
-    assert sender.bytes_sent == sum(k.nbytes + v.nbytes for k, v in kv) // 2
-    _, received = _decode(SPEC, messages, TOKENS)
+    with _segment(transport, 2 * SPEC.num_layers * _TENSOR) as segment:
+        messages = _encode(SPEC, kv, TOKENS, 64, segment, wire_dtype=wire)
+        assert messages[0].header.dtype == wire
+        assert messages[-1].trailer.total_bytes == sum(k.nbytes + v.nbytes for k, v in kv) // 2
+        _, received = _decode(SPEC, messages, TOKENS, segment)
     for (k, _), (k2, _) in zip(kv, received.layers):
         assert torch.equal(k.to(WIRE_DTYPES[wire]), k2)  # exactly the rounded values; decode casts back on admission
+    received.release()
 
 
 def test_bfloat16_model_refuses_float16_wire() -> None:
     header = _encode(_spec(2, 2, 8, "bfloat16"), _random_kv(_spec(2, 2, 8, "bfloat16"), TOKENS), TOKENS, 64)[0].header
     header.dtype = "float16"
     with pytest.raises(KVTransferError) as refused:
-        KVReceiver(_spec(2, 2, 8, "bfloat16"), 1 << 20).accept_header(header, TOKENS)
+        KVReceiver(_spec(2, 2, 8, "bfloat16"), 1 << 20, STAGING).accept_header(header, TOKENS, None)
     assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
