@@ -46,6 +46,7 @@ class PrefillConfig:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     wire_dtype: str = ""  # "" = the model's own; or a lossy downcast of float32 KV
     kv_shm: bool = True  # write KV into a segment decode lent, when it is on this host
+    layer_streaming: bool = True  # send each layer's KV as soon as it exists (off: all of it after the pass)
 
     def __post_init__(self) -> None:
         if self.wire_dtype and (self.wire_dtype not in LOSSY_WIRE_DTYPES or self.model.dtype != "float32"):
@@ -57,7 +58,7 @@ class PrefillConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PrefillConfig:
         return cls(server=server_config(args), model=model_config(args), chunk_bytes=args.chunk_bytes,
-                   wire_dtype=args.wire_dtype, kv_shm=args.kv_shm)
+                   wire_dtype=args.wire_dtype, kv_shm=args.kv_shm, layer_streaming=args.layer_streaming)
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
@@ -71,6 +72,8 @@ class PrefillConfig:
                            "model's dtype, exact)")
         group.add_argument("--no-kv-shm", action="store_false", dest="kv_shm",
                            help="never use a decode worker's shared-memory segment: send every KV byte over gRPC")
+        group.add_argument("--no-layer-streaming", action="store_false", dest="layer_streaming",
+                           help="send the KV after the whole forward pass instead of layer by layer (a baseline)")
 
 
 class _Abandoned(Exception):
@@ -141,15 +144,21 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         abandon = threading.Event()
         push = _KVPush(decode_pb2_grpc.DecodeStub(self._channel(request.decode_address)), sender, abandon)
 
+        streaming = self.config.layer_streaming
+
         def on_layer(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:  # model thread
             if abandon.is_set():
                 raise _Abandoned
-            loop.call_soon_threadsafe(push.deliver, (layer, keys, values))
+            if streaming:
+                loop.call_soon_threadsafe(push.deliver, (layer, keys, values))
 
         def run_forward() -> tuple[int, float, float]:  # model thread
             started = time.perf_counter()
-            logits, _ = forward.prefill(self.runner, token_ids, on_layer)
+            logits, kv = forward.prefill(self.runner, token_ids, on_layer)
             first = sample(logits, sampling, position=len(token_ids))
+            if not streaming:
+                for layer, (keys, values) in enumerate(kv):
+                    loop.call_soon_threadsafe(push.deliver, (layer, keys, values))
             return first, started, time.perf_counter()
 
         arrived = time.perf_counter()

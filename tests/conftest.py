@@ -51,9 +51,9 @@ def tiny_cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
     cluster.stop()
 
 
-def worker_infos(cluster: Cluster) -> list[worker_pb2.WorkerInfo]:
+def worker_infos(cluster: Cluster, prefill: bool = True) -> list[worker_pb2.WorkerInfo]:
     infos = []
-    for services, stub_class in ((cluster.prefill, prefill_pb2_grpc.PrefillStub),
+    for services, stub_class in ((cluster.prefill if prefill else [], prefill_pb2_grpc.PrefillStub),
                                  (cluster.decode, decode_pb2_grpc.DecodeStub)):
         for service in services:
             with grpc.insecure_channel(service.address) as channel:
@@ -65,11 +65,11 @@ def held(info: worker_pb2.WorkerInfo) -> tuple[int, int, int, int]:
     return info.live_reservations, info.live_sequences, info.live_kv_bytes, info.live_buffer_bytes
 
 
-def assert_nothing_held(cluster: Cluster, within_s: float = 2.0) -> None:
+def assert_nothing_held(cluster: Cluster, within_s: float = 2.0, prefill: bool = True) -> None:
     """Every worker's live reservations, sequences, KV bytes and transfer buffers return to zero in `within_s`."""
     deadline = time.monotonic() + within_s
     while True:
-        infos = worker_infos(cluster)
+        infos = worker_infos(cluster, prefill)
         if all(held(info) == (0, 0, 0, 0) for info in infos):
             return
         if time.monotonic() > deadline:

@@ -45,21 +45,45 @@ def leak_check(tiny_cluster: Cluster):
 
 
 def test_greedy_matches_hugging_face_for_concurrent_prompts(tiny_cluster: Cluster, tiny_model_dir: Path) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    address = tiny_cluster.gateway.address
+    completions = _assert_greedy_matches_hugging_face(tiny_cluster, tiny_model_dir)
+    assert {c.timing.kv_transport for c in completions} == {"shm"}  # same host: the fast path is chosen by itself
+
+
+# Layer streaming and the shared-memory path switched off one at a time, and both: same tokens every time.
+@pytest.mark.parametrize(("prefill_args", "transport"), [
+    (("--no-kv-shm",), "grpc"),
+    (("--no-layer-streaming",), "shm"),
+    (("--no-kv-shm", "--no-layer-streaming"), "grpc"),
+], ids=["grpc-streamed", "shm-after-forward", "grpc-after-forward"])
+def test_greedy_identity_holds_on_every_kv_path(
+    tiny_model_dir: Path, prefill_args: tuple[str, ...], transport: str
+) -> None:
+    cluster = start_cluster(tiny_model_dir, prefill=1, decode=1, prefill_args=prefill_args)
+    try:
+        completions = _assert_greedy_matches_hugging_face(cluster, tiny_model_dir)
+        assert {c.timing.kv_transport for c in completions} == {transport}
+        assert_nothing_held(cluster)
+    finally:
+        cluster.stop()
+
+
+def _assert_greedy_matches_hugging_face(cluster: Cluster, model_dir: Path) -> list:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    address = cluster.gateway.address
     max_tokens = 24
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         completions = list(pool.map(
             lambda p: generate(address, timeout=60, prompt=p, max_tokens=max_tokens, temperature=0.0), PROMPTS))
     for prompt, completion in zip(PROMPTS, completions):
         prompt_ids = tokenizer(prompt).input_ids
-        expected = hf_greedy(tiny_model_dir, prompt_ids, max_tokens)
+        expected = hf_greedy(model_dir, prompt_ids, max_tokens)
         assert completion.token_ids == expected, prompt
         assert completion.text == tokenizer.decode(expected, skip_special_tokens=True)
         assert completion.finish_reason == ("stop" if expected[-1] == 2 else "length")
         assert completion.usage.prompt_tokens == len(prompt_ids)
         assert completion.usage.completion_tokens == len(expected)
         assert completion.timing.kv_bytes > 0 and completion.timing.ttft_ms > 0
+    return completions
 
 
 def test_token_ids_prompt_gives_same_tokens_as_text_prompt(tiny_cluster: Cluster, tiny_model_dir: Path) -> None:

@@ -1,0 +1,106 @@
+"""Process and network faults in the KV handoff, with real processes: SIGKILL mid-transfer, a frozen network path.
+
+Whatever dies, the decode worker must end up holding nothing (reservations, sequences, KV bytes, transfer
+buffers) once the lease ends, keep serving, and leave no shared-memory segment behind for good.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kv_wire import buffers
+from pdserve.cluster import _await_ready, _spawn, stop_all
+from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, worker_pb2
+from tests.conftest import assert_nothing_held, start_cluster
+from tests.tcp_proxy import TcpProxy
+from tests.test_decode_handoff import GREEDY, _kv_stream, _reserve
+
+LEASE_S = 2.0
+
+
+def _info(stub: decode_pb2_grpc.DecodeStub) -> worker_pb2.WorkerInfo:
+    return stub.GetInfo(worker_pb2.WorkerInfoRequest(), timeout=5)
+
+
+def _wait_for(condition, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def _killed(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=10)  # reaped: a zombie would still count as a live owner
+
+
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+def test_killing_prefill_mid_transfer_leaves_decode_holding_nothing_once_the_lease_ends(
+    tiny_model_dir: Path, transport: str
+) -> None:
+    prefill_args = ("--chunk-bytes=64",) + (("--no-kv-shm",) if transport == "grpc" else ())
+    cluster = start_cluster(tiny_model_dir, prefill_args=prefill_args, decode_args=(f"--lease={LEASE_S}",))
+    # Prefill reaches decode through a proxy that freezes after 2 KiB: the header and a few chunks get through.
+    proxy = TcpProxy(cluster.decode[0].address, stall_after=2048)
+    try:
+        with grpc.insecure_channel(cluster.decode[0].address) as d, \
+                grpc.insecure_channel(cluster.prefill[0].address) as p:
+            decode, prefill = decode_pb2_grpc.DecodeStub(d), prefill_pb2_grpc.PrefillStub(p)
+            prompt = list(range(10, 210))
+            generate = decode.Generate(decode_pb2.DecodeRequest(
+                request_id="doomed", prompt_tokens=len(prompt), max_tokens=4, sampling=GREEDY), timeout=60)
+            reservation = next(generate).reserved
+            assert bool(reservation.shm_segment) and buffers.SHM_DIR.joinpath(reservation.shm_segment).exists()
+            lent = _info(decode).live_buffer_bytes
+            prefill_call = prefill.Prefill(prefill_pb2.PrefillRequest(
+                request_id="doomed", token_ids=prompt, sampling=GREEDY, decode_address=proxy.address,
+                reservation_token=reservation.token, shm_segment=reservation.shm_segment), timeout=60)
+            assert next(prefill_call).WhichOneof("event") == "first_token"
+            # Decode accepted the header (a staging buffer is now held) and the stream is stuck mid-transfer.
+            _wait_for(lambda: _info(decode).live_buffer_bytes > lent and proxy.stalled.is_set(), "a stuck transfer")
+            assert _info(decode).live_reservations == 1
+
+            _killed(cluster.prefill[0].process)
+            with pytest.raises(grpc.RpcError) as ended:
+                list(generate)
+            assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            info = _info(decode)
+            assert (info.live_reservations, info.live_sequences, info.live_kv_bytes, info.live_buffer_bytes) == (
+                0, 0, 0, 0)
+
+            # The decode worker keeps serving: a valid handoff right after streams its tokens.
+            call, token = _reserve(decode, "after-the-kill", max_tokens=3)
+            decode.TransferKV(iter(_kv_stream(decode, "after-the-kill", token)), timeout=30)
+            assert sum(len(e.tokens.token_ids) for e in call) == 2  # the first token came in the trailer
+            assert_nothing_held(cluster, prefill=False)
+    finally:
+        proxy.close()
+        cluster.stop()
+
+
+def test_segments_of_a_killed_decode_worker_are_removed_when_the_next_one_starts(tiny_model_dir: Path) -> None:
+    cluster = start_cluster(tiny_model_dir)
+    try:
+        with grpc.insecure_channel(cluster.decode[0].address) as channel:
+            _, token = _reserve(decode_pb2_grpc.DecodeStub(channel), "orphaned")
+            segments = sorted(buffers.SHM_DIR.glob(f"{buffers.SEGMENT_PREFIX}{cluster.decode[0].process.pid}-*"))
+            assert segments, "the reservation lent a segment"
+        _killed(cluster.decode[0].process)
+        assert all(s.exists() for s in segments)  # a SIGKILLed owner cannot clean up
+
+        successor = _spawn("decode", "decode_service", ["--host", "127.0.0.1", "--port", "0", "--threads", "1",
+                                                        "--model", str(tiny_model_dir)])
+        try:
+            _await_ready([successor], time.monotonic() + 120)
+            assert not any(s.exists() for s in segments)
+        finally:
+            stop_all([successor], grace_s=10)
+    finally:
+        cluster.stop()
