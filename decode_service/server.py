@@ -33,7 +33,7 @@ from decode_service.reservations import (
     Reservation,
     ReservationTable,
 )
-from kv_wire import buffers
+from kv_wire import buffers, codec
 from kv_wire.buffers import BufferPool
 from kv_wire.layout import DEFAULT_CHUNK_BYTES, KVTransferError
 from kv_wire.receiver import KVReceiver, ReceivedKV
@@ -183,7 +183,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 return
 
     async def TransferKV(
-        self, request_iterator: AsyncIterator[kv_transfer_pb2.KVTransfer], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[codec.Received], context: grpc.aio.ServicerContext
     ) -> kv_transfer_pb2.KVTransferAck:
         receiver = KVReceiver(self.spec, self.config.max_chunk_bytes, self.staging)
         reservation: Reservation | None = None
@@ -191,7 +191,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             # A stream must present its header within the lease and finish by the reservation's expiry.
             async with asyncio.timeout(self.config.lease_s) as deadline:
                 first = await anext(aiter(request_iterator), None)
-                if first is None or first.WhichOneof("part") != "header":
+                if isinstance(first, codec.Malformed):
+                    raise receiver.fail(grpc.StatusCode.INVALID_ARGUMENT, first.reason)
+                if not isinstance(first, kv_transfer_pb2.KVTransfer) or first.WhichOneof("part") != "header":
                     raise receiver.fail(grpc.StatusCode.INVALID_ARGUMENT, "a KV stream must start with a header")
                 reservation = self.table.claim(first.header.request_id, first.header.reservation_token)
                 deadline.reschedule(_loop_time(reservation.expires_at))
@@ -212,12 +214,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                              chunks_received=receiver.chunks_received)
 
     async def _receive(
-        self, messages: AsyncIterator[kv_transfer_pb2.KVTransfer], receiver: KVReceiver, reservation: Reservation
+        self, messages: AsyncIterator[codec.Received], receiver: KVReceiver, reservation: Reservation
     ) -> ReceivedKV:
         async for message in messages:
             if reservation.phase is not Phase.TRANSFERRING:
                 raise receiver.fail(grpc.StatusCode.CANCELLED,
                                     f"request {reservation.params.request_id!r} was released during the transfer")
+            if isinstance(message, codec.Malformed):
+                raise receiver.fail(grpc.StatusCode.INVALID_ARGUMENT, message.reason)
+            if isinstance(message, codec.Chunk):
+                receiver.accept_chunk(message)
+                continue
             part = message.WhichOneof("part")
             if part == "chunk":
                 receiver.accept_chunk(message.chunk)
@@ -311,8 +318,21 @@ async def serve(config: DecodeConfig) -> None:
     servicer.engine.start()
 
     def register(server: grpc.aio.Server) -> list[str]:
-        decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
-        return [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name]
+        # The generated registration, except that TransferKV decodes its chunks as views (kv_wire.codec).
+        service = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
+        handlers = {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                servicer.Generate, request_deserializer=decode_pb2.DecodeRequest.FromString,
+                response_serializer=decode_pb2.DecodeEvent.SerializeToString),
+            "TransferKV": grpc.stream_unary_rpc_method_handler(
+                servicer.TransferKV, request_deserializer=codec.decode,
+                response_serializer=kv_transfer_pb2.KVTransferAck.SerializeToString),
+            "GetInfo": grpc.unary_unary_rpc_method_handler(
+                servicer.GetInfo, request_deserializer=worker_pb2.WorkerInfoRequest.FromString,
+                response_serializer=worker_pb2.WorkerInfo.SerializeToString),
+        }
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, handlers)])
+        return [service]
 
     async def shutdown() -> None:
         await asyncio.to_thread(servicer.engine.stop)

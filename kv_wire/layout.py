@@ -5,10 +5,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-import google_crc32c
 import grpc
 import numpy as np
 import torch
+import xxhash
 
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOSSY_WIRE_DTYPES = ("bfloat16", "float16")  # opt-in downcasts of float32 KV; the receiver casts back
@@ -55,9 +55,6 @@ class KVLayout:
         return (self.num_kv_heads, self.num_tokens, self.head_dim)
 
 
-def crc32c(data: bytes | np.ndarray) -> int:
-    """CRC32C of bytes or of a uint8 array, without copying it (google_crc32c reads only read-only buffers)."""
-    if isinstance(data, np.ndarray) and data.flags.writeable:
-        data = data.view()
-        data.flags.writeable = False
-    return google_crc32c.value(data)
+def checksum(data: bytes | memoryview | np.ndarray) -> int:
+    """XXH3-64 of bytes, a memoryview or a uint8 array, read in place (no copy)."""
+    return xxhash.xxh3_64_intdigest(data.data if isinstance(data, np.ndarray) else data)

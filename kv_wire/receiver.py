@@ -18,11 +18,12 @@ import numpy as np
 import torch
 
 from kv_wire.buffers import Buffer, BufferPool, data_region
-from kv_wire.layout import LOSSY_WIRE_DTYPES, WIRE_DTYPES, KVLayout, KVTransferError, TransferState, crc32c
+from kv_wire.codec import Chunk
+from kv_wire.layout import LOSSY_WIRE_DTYPES, WIRE_DTYPES, KVLayout, KVTransferError, TransferState, checksum
 from model_runner.loading import ModelSpec
 from protos import kv_transfer_pb2 as pb
 
-_KIND_INDEX = {pb.KV_KIND_KEYS: 0, pb.KV_KIND_VALUES: 1}
+_KIND_INDEX: dict[int, int] = {pb.KV_KIND_KEYS: 0, pb.KV_KIND_VALUES: 1}
 
 
 @dataclass
@@ -44,7 +45,8 @@ class KVReceiver:
         self._segment: np.ndarray | None = None  # shm streams: the lent segment's data region
         self._buffer: torch.Tensor | None = None  # (num_layers, 2, heads, tokens, head_dim), in _staging
         self._bytes: np.ndarray | None = None  # the same memory, as uint8
-        self._next_offset: dict[tuple[int, int], int] = {}
+        # Where the next chunk must start: tensor index (layer * 2 + keys 0 / values 1) and byte offset in it.
+        self._tensor, self._offset = 0, 0
         self.bytes_received = 0
         self.chunks_received = 0
 
@@ -88,55 +90,57 @@ class KVReceiver:
         self.state = TransferState.TRANSFERRING
         return self.layout
 
-    def accept_chunk(self, chunk: pb.KVChunk) -> None:
+    def accept_chunk(self, chunk: pb.KVChunk | Chunk) -> None:
+        """Check one chunk and copy its bytes into place (from the message, or from the lent segment)."""
         layout, target = self.layout, self._bytes
         assert layout is not None and target is not None, "accept_header first"
         if not chunk.layer < layout.num_layers or chunk.kind not in _KIND_INDEX:
             raise self.fail(grpc.StatusCode.INVALID_ARGUMENT,
                              f"chunk names layer {chunk.layer} kind {chunk.kind}: no such tensor")
-        key = (chunk.layer, _KIND_INDEX[chunk.kind])
-        expected_offset = self._next_offset.get(key, 0)
+        tensor = chunk.layer * 2 + _KIND_INDEX[chunk.kind]
+        if self._offset == layout.tensor_bytes:  # the previous tensor is complete: the next one starts
+            self._tensor, self._offset = self._tensor + 1, 0
         in_segment = self._segment is not None
-        if in_segment and chunk.data or not in_segment and chunk.length:
+        data = chunk.data  # read once: a protobuf bytes field is copied on every access
+        if in_segment and len(data) or not in_segment and chunk.length:
             raise self.fail(grpc.StatusCode.INVALID_ARGUMENT,
                             f"layer {chunk.layer} chunk: {'data in a shared-memory' if in_segment else 'length in a'}"
                             " stream (shm chunks carry a length, gRPC chunks their data)")
-        size = chunk.length if in_segment else len(chunk.data)
-        if chunk.offset != expected_offset:
+        size = chunk.length if in_segment else len(data)
+        if (tensor, chunk.offset) != (self._tensor, self._offset):
+            expected = f"layer {self._tensor // 2} {('keys', 'values')[self._tensor % 2]} at offset {self._offset}"
             raise self.fail(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"layer {chunk.layer} chunk at offset {chunk.offset}, expected {expected_offset} "
-                             "(chunks out of order, duplicated or missing)")
-        if size == 0 or size > self.max_chunk_bytes or chunk.offset + size > layout.tensor_bytes:
+                            f"chunk for layer {chunk.layer} {('keys', 'values')[tensor % 2]} at offset {chunk.offset}, "
+                            f"expected {expected} (chunks out of order, duplicated or missing)")
+        too_big = size > self.max_chunk_bytes and not in_segment  # shm chunks are not messages: any size fits
+        if size == 0 or too_big or chunk.offset + size > layout.tensor_bytes:
             raise self.fail(grpc.StatusCode.DATA_LOSS,
                              f"layer {chunk.layer} chunk of {size} bytes at offset {chunk.offset} does not fit a "
                              f"{layout.tensor_bytes}-byte tensor")
-        start = (key[0] * 2 + key[1]) * layout.tensor_bytes + chunk.offset
+        start = tensor * layout.tensor_bytes + chunk.offset
         landed = target[start : start + size]
         if self._segment is not None:
             landed[:] = self._segment[start : start + size]  # copy first, then verify the copy
-            good = crc32c(landed) == chunk.crc32c
+            good = checksum(landed) == chunk.checksum
         else:
-            good = crc32c(chunk.data) == chunk.crc32c
+            good = checksum(data) == chunk.checksum
             if good:
-                landed[:] = np.frombuffer(chunk.data, dtype=np.uint8)
+                landed[:] = np.frombuffer(data, dtype=np.uint8)
         if not good:
             raise self.fail(grpc.StatusCode.DATA_LOSS,
-                            f"layer {chunk.layer} chunk at offset {chunk.offset}: CRC32C mismatch")
-        self._next_offset[key] = chunk.offset + size
+                            f"layer {chunk.layer} chunk at offset {chunk.offset}: checksum mismatch")
+        self._offset = chunk.offset + size
         self.bytes_received += size
         self.chunks_received += 1
 
     def finish(self, trailer: pb.KVTrailer) -> ReceivedKV:
         layout, buffer = self.layout, self._buffer
         assert layout is not None and buffer is not None, "accept_header first"
-        missing = [
-            (layer, kind) for layer in range(layout.num_layers) for kind in (0, 1)
-            if self._next_offset.get((layer, kind), 0) != layout.tensor_bytes
-        ]
-        if missing:
+        complete = self._tensor + (self._offset == layout.tensor_bytes)
+        if complete != 2 * layout.num_layers:
             raise self.fail(grpc.StatusCode.DATA_LOSS,
-                             f"stream ended with {len(missing)} of {2 * layout.num_layers} tensors incomplete "
-                             f"(first: layer {missing[0][0]})")
+                            f"stream ended with {complete} of {2 * layout.num_layers} tensors complete "
+                            f"(missing from layer {complete // 2})")
         if (trailer.total_bytes, trailer.num_chunks) != (self.bytes_received, self.chunks_received):
             raise self.fail(grpc.StatusCode.DATA_LOSS,
                              f"trailer counts {trailer.total_bytes} bytes in {trailer.num_chunks} chunks, received "

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from kv_wire import codec
 from kv_wire.buffers import LentSegment
-from kv_wire.layout import WIRE_DTYPES, KVLayout, KVTransferError, TransferState, crc32c
+from kv_wire.layout import WIRE_DTYPES, KVLayout, KVTransferError, TransferState, checksum
 from protos import kv_transfer_pb2 as pb
 
 _KINDS = (pb.KV_KIND_KEYS, pb.KV_KIND_VALUES)
@@ -54,8 +55,8 @@ class KVSender:
     def transport(self) -> str:
         return "grpc" if self.segment is None else "shm"
 
-    def layer(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> list[pb.KVTransfer]:
-        """The chunks of one layer; keys and values are (num_kv_heads, num_tokens, head_dim)."""
+    def layer(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> list[bytes]:
+        """The chunks of one layer, serialised; keys and values are (num_kv_heads, num_tokens, head_dim)."""
         if self.segment is not None and not self.segment.still_lent():
             raise KVTransferError(grpc.StatusCode.CANCELLED,
                                   "decode took its shared-memory segment back (reservation released)")
@@ -65,18 +66,16 @@ class KVSender:
             wire = tensor.detach().to("cpu", WIRE_DTYPES[self.layout.dtype]).contiguous()
             raw = wire.view(-1).view(torch.uint8).numpy()
             base = (index * 2 + kind - 1) * self.layout.tensor_bytes  # kind is 1 (keys) or 2 (values)
-            for offset in range(0, len(raw), self.chunk_bytes):
-                piece = raw[offset : offset + self.chunk_bytes]
+            # In shared memory a chunk is only the unit of checksumming: one per tensor, fewer messages.
+            step = self.chunk_bytes if self.segment is None else max(len(raw), 1)
+            for offset in range(0, len(raw), step):
+                piece = raw[offset : offset + step]
                 if self.segment is None:
-                    data = piece.tobytes()
-                    chunk = pb.KVChunk(layer=index, kind=kind, offset=offset, data=data,
-                                       crc32c=crc32c(data))
+                    messages.append(codec.encode_chunk(index, kind, offset, checksum(piece), piece.data))
                 else:
                     target = self.segment.data[base + offset : base + offset + len(piece)]
                     target[:] = piece
-                    chunk = pb.KVChunk(layer=index, kind=kind, offset=offset, length=len(piece),
-                                       crc32c=crc32c(target))
-                messages.append(pb.KVTransfer(chunk=chunk))
+                    messages.append(codec.encode_chunk(index, kind, offset, checksum(target), None, len(piece)))
                 self.bytes_sent += len(piece)
                 self.chunks_sent += 1
         return messages
@@ -89,10 +88,11 @@ class KVSender:
 
 async def encode_stream(
     sender: KVSender, layers: AsyncIterator[tuple[int, torch.Tensor, torch.Tensor] | int]
-) -> AsyncIterator[pb.KVTransfer]:
+) -> AsyncIterator[pb.KVTransfer | bytes]:
     """The whole request stream: header, each layer's chunks as it arrives, then the trailer.
 
     `layers` yields (layer, keys, values) tuples and finally the first token (an int), which closes the stream.
+    Send it with `codec.transfer_kv(channel)`, whose serializer passes the pre-encoded chunks through.
     """
     yield sender.header()
     async for item in layers:

@@ -53,6 +53,15 @@ def main(argv: list[str] | None = None) -> None:
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     generate.set_defaults(run=_generate)
 
+    bench = commands.add_parser("bench", help="benchmarks; results as a table or JSON, plus JSON and plots on disk")
+    benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    from bench import kv
+
+    kv_parser = benches.add_parser("kv", help="KV transfer: gRPC and shared-memory paths against their ceilings",
+                                   description=(kv.__doc__ or "").split("\n\n")[0])
+    kv.add_args(kv_parser)
+    kv_parser.set_defaults(run=lambda args, _parser: kv.run(args))
+
     args = parser.parse_args(argv)
     sys.exit(args.run(args, parser))
 

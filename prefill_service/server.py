@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from kv_wire import codec
 from kv_wire.buffers import SegmentMaps
 from kv_wire.layout import DEFAULT_CHUNK_BYTES, LOSSY_WIRE_DTYPES, KVLayout, TransferState
 from kv_wire.sender import KVSender, encode_stream
@@ -35,7 +36,7 @@ from model_runner.loading import LoadedModel, ModelConfig, add_model_args, model
 from model_runner.sampling import SamplingParams, sample
 from pdserve import serving
 from pdserve.serving import MAX_MESSAGE_BYTES, ServerConfig, add_server_args, server_config
-from protos import decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, worker_pb2
+from protos import prefill_pb2, prefill_pb2_grpc, worker_pb2
 from protos.convert import model_info, sampling_from_pb
 
 
@@ -83,8 +84,8 @@ class _Abandoned(Exception):
 class _KVPush:
     """One request's KV on its way to decode: the stream opens with the first layer and closes with the trailer."""
 
-    def __init__(self, stub: decode_pb2_grpc.DecodeStub, sender: KVSender, abandon: threading.Event) -> None:
-        self._stub, self.sender, self._abandon = stub, sender, abandon
+    def __init__(self, channel: grpc.aio.Channel, sender: KVSender, abandon: threading.Event) -> None:
+        self._transfer_kv, self.sender, self._abandon = codec.transfer_kv(channel), sender, abandon
         self._items: asyncio.Queue[tuple[int, torch.Tensor, torch.Tensor] | int] = asyncio.Queue()
         self.call: asyncio.Future | None = None
         self.started_at = 0.0
@@ -93,7 +94,7 @@ class _KVPush:
         """A finished layer (or the first token, which closes the stream). Runs on the event loop."""
         if self.call is None:
             self.started_at = time.perf_counter()
-            self.call = asyncio.ensure_future(self._stub.TransferKV(encode_stream(self.sender, self._drain())))
+            self.call = asyncio.ensure_future(self._transfer_kv(encode_stream(self.sender, self._drain())))
             self.call.add_done_callback(self._on_transfer_end)
         self._items.put_nowait(item)
 
@@ -142,7 +143,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         sender = KVSender(request.request_id, request.reservation_token, spec.fingerprint, layout,
                           self.config.chunk_bytes, segment=segment)
         abandon = threading.Event()
-        push = _KVPush(decode_pb2_grpc.DecodeStub(self._channel(request.decode_address)), sender, abandon)
+        push = _KVPush(self._channel(request.decode_address), sender, abandon)
 
         streaming = self.config.layer_streaming
 

@@ -23,15 +23,24 @@ def default_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer random Llama with the default model's real tokenizer and vocabulary."""
+    return _tiny_llama(default_model_dir, tmp_path_factory.mktemp("tiny-llama"), layers=2)
+
+
+@pytest.fixture(scope="session")
+def deep_tiny_model_dir(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with 200 layers: a KV stream of 400 tensors, long enough to be cut in the middle."""
+    return _tiny_llama(default_model_dir, tmp_path_factory.mktemp("deep-tiny-llama"), layers=200)
+
+
+def _tiny_llama(tokenizer_dir: Path, path: Path, layers: int) -> Path:
     from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    path = tmp_path_factory.mktemp("tiny-llama")
     model.save_pretrained(path)
     GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(path)
     tokenizer.save_pretrained(path)

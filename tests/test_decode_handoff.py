@@ -6,6 +6,7 @@ import grpc
 import pytest
 import torch
 
+from kv_wire import codec
 from kv_wire.layout import KVLayout
 from kv_wire.sender import KVSender
 from pdserve.client import generate
@@ -37,7 +38,8 @@ def _kv_stream(stub, request_id: str, token: str, fingerprint: str | None = None
     messages = [sender.header()]
     for layer in range(model.num_layers):
         shape = (model.num_kv_heads, PROMPT_TOKENS, model.head_dim)
-        messages += sender.layer(layer, torch.randn(shape), torch.randn(shape))
+        chunks = sender.layer(layer, torch.randn(shape), torch.randn(shape))
+        messages += map(kv_transfer_pb2.KVTransfer.FromString, chunks)
     return messages + [sender.trailer(first_token=42)]
 
 
@@ -90,13 +92,23 @@ def test_bad_stream_is_refused_and_fails_the_reservation_at_once(decode, damage:
     fingerprint = "another-model" if damage == "fingerprint" else None
     messages = _kv_stream(decode, f"bad-{damage}", token, fingerprint)
     if damage == "checksum":
-        messages[5].chunk.crc32c ^= 1
+        messages[5].chunk.checksum ^= 1
     elif damage == "no_trailer":
         messages = messages[:-1]
     elif damage == "chunk_first":
         messages = messages[1:]
     assert _refused(decode.TransferKV, messages) == code
     assert _stream_failure(call) == (grpc.StatusCode.DEADLINE_EXCEEDED if damage == "chunk_first" else code)
+
+
+def test_undecodable_message_mid_stream_is_invalid_argument(decode, tiny_cluster: Cluster) -> None:
+    call, token = _reserve(decode, "garbage")
+    messages = [m.SerializeToString() for m in _kv_stream(decode, "garbage", token)]
+    messages[3] = b"\xff\xff\xff"
+    with grpc.insecure_channel(tiny_cluster.decode[0].address) as channel:
+        raw = channel.stream_unary(codec.TRANSFER_KV_METHOD)  # bytes as they are, past any serializer
+        assert _refused(raw, messages) == grpc.StatusCode.INVALID_ARGUMENT
+    assert _stream_failure(call) == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_reservation_whose_kv_never_arrives_expires_with_its_lease(decode) -> None:

@@ -1,0 +1,1 @@
+"""Benchmarks: `pdserve bench kv` (the KV handoff against its ceilings)."""

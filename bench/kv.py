@@ -1,0 +1,379 @@
+"""`pdserve bench kv`: how fast a prompt's KV moves from prefill to decode, against the ceilings that bound it.
+
+One run, for the KV of 512, 2048 and 8000-token prompts of the default model (8000, not 8192: the context
+must keep room for generated tokens), measures side by side:
+- grpc: the real KV path, bytes in the stream: KVSender -> a real decode worker's TransferKV (validation,
+  checksums, staging), timed from the first message to decode's acknowledgement;
+- shm: the same, with the bytes written into the shared-memory segment the decode worker lent;
+- grpc_ceiling: raw grpcio bytes streaming with the same chunk size into a sink that only counts them;
+- tcp: one loopback TCP stream into a sink; memcpy: one copy between two warm buffers in one thread.
+Then the exposed transfer time: a real prefill worker's Prefill call until its KV is acknowledged by the decode
+worker, minus the prefill forward pass alone (same model, same threads, run here), as a fraction of the
+forward pass; for the default (shared memory, layer-streamed), gRPC, and gRPC-after-the-forward-pass paths.
+Every figure is the median of --repeats runs; the JSON also keeps every sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import os
+import platform
+import random
+import socket
+import statistics
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+
+from kv_wire import codec
+from kv_wire.buffers import SegmentMaps
+from kv_wire.layout import DEFAULT_CHUNK_BYTES, KVLayout
+from kv_wire.sender import KVSender, encode_stream
+from model_runner.loading import DEFAULT_MODEL, resolve_model
+from pdserve.cluster import Service, _await_ready, _spawn, stop_all
+from pdserve.serving import MAX_MESSAGE_BYTES
+from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, worker_pb2
+
+TOKENS = (512, 2048, 8000)
+HEADLINE_TOKENS = 2048
+_SINK_METHOD = "/pdserve.bench.Sink/Bytes"
+_SINK_TCP_PORT = "/pdserve.bench.Sink/TcpPort"
+_CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+_GREEDY = worker_pb2.SamplingParams(temperature=0.0, top_p=1.0)
+# Exposed-transfer variants: prefill worker flags.
+PREFILL_VARIANTS = {"shm": (), "grpc": ("--no-kv-shm",), "grpc_unstreamed": ("--no-kv-shm", "--no-layer-streaming")}
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="model whose KV layout is moved (default: %(default)s)")
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="prompt lengths (default: %(default)s)")
+    parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
+    parser.add_argument("--repeats", type=int, default=7, help="runs per figure; the median is reported")
+    parser.add_argument("--exposed-repeats", type=int, default=3, help="prefill runs per exposed-time figure")
+    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                        help="torch threads of the prefill worker and of the compute-alone run (default: %(default)s)")
+    parser.add_argument("--no-exposed", action="store_true", help="skip the (slow) exposed-transfer measurement")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--out", default="bench/results", help="directory for kv.json and kv.png")
+
+
+def run(args: argparse.Namespace) -> int:
+    tokens = [int(t) for t in args.tokens.split(",")]
+    model_dir = resolve_model(args.model)
+    result = asyncio.run(_bench(args, model_dir, tokens))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kv.json").write_text(json.dumps(result, indent=2) + "\n")
+    _plot(result, out / "kv.png")
+    print(json.dumps(result) if args.json else _table(result))
+    return 0
+
+
+async def _bench(args: argparse.Namespace, model_dir: Path, tokens: list[int]) -> dict[str, Any]:
+    flags = ["--host", "127.0.0.1", "--port", "0", "--model", str(model_dir)]
+    decode = _spawn("decode", "decode_service", [*flags, "--threads", "1", "--max-seqs", "2"])
+    sink = _spawn("sink", "bench.kv", ["--sink"])
+    prefills = {} if args.no_exposed else {
+        name: _spawn("prefill", "prefill_service", [*flags, "--threads", str(args.threads), *extra])
+        for name, extra in PREFILL_VARIANTS.items()}
+    services = [decode, sink, *prefills.values()]
+    try:
+        _await_ready(services, time.monotonic() + 300)
+        async with grpc.aio.insecure_channel(decode.address, options=_CHANNEL_OPTIONS) as channel:
+            stub = decode_pb2_grpc.DecodeStub(channel)
+            model = (await stub.GetInfo(worker_pb2.WorkerInfoRequest())).model
+            cases = {}
+            for count in tokens:
+                cases[str(count)] = await _throughput_case(stub, codec.transfer_kv(channel), model, sink.address,
+                                                           count, args)
+                print(f"bench kv: {count} tokens done", file=sys.stderr, flush=True)
+            exposed = {} if args.no_exposed else await _exposed(stub, decode.address, prefills, model_dir, model, args)
+    finally:
+        stop_all(services, grace_s=10)
+    headline = cases.get(str(HEADLINE_TOKENS), next(iter(cases.values())))
+    return {
+        "machine": _machine(),
+        "model": model.name, "kv_bytes_per_token": 2 * model.num_layers * model.num_kv_heads * model.head_dim * 4,
+        "chunk_bytes": args.chunk_bytes, "repeats": args.repeats,
+        **{key: headline[key] for key in ("grpc_gbps", "grpc_ceiling_gbps", "tcp_gbps", "shm_gbps", "memcpy_gbps")},
+        "exposed_transfer_frac": exposed.get("shm", {}).get("exposed_transfer_frac"),
+        "cases": cases,
+        "exposed": exposed,
+    }
+
+
+async def _throughput_case(stub: decode_pb2_grpc.DecodeStub, transfer_kv: grpc.aio.StreamUnaryMultiCallable,
+                           model: worker_pb2.ModelInfo, sink: str, count: int, args: argparse.Namespace
+                           ) -> dict[str, Any]:
+    layout = KVLayout(model.num_layers, model.num_kv_heads, model.head_dim, count, model.dtype)
+    generator = torch.Generator().manual_seed(count)
+    kv = [(torch.randn(layout.tensor_shape, generator=generator), torch.randn(layout.tensor_shape, generator=generator))
+          for _ in range(layout.num_layers)]
+    nbytes = layout.total_bytes
+    samples: dict[str, list[float]] = {name: [] for name in ("memcpy", "tcp", "grpc_ceiling", "grpc", "shm")}
+    payload = np.random.default_rng(count).integers(0, 256, nbytes, dtype=np.uint8)
+    copy_target = np.empty_like(payload)
+    real_path = functools.partial(_real_path, stub, transfer_kv, model, layout, kv, args.chunk_bytes)
+    async with grpc.aio.insecure_channel(sink, options=_CHANNEL_OPTIONS) as sink_channel:
+        raw_stream = sink_channel.stream_unary(_SINK_METHOD)  # no serializers: bytes go out as they are
+        sink_tcp = int.from_bytes(await sink_channel.unary_unary(_SINK_TCP_PORT)(b""), "little")
+        chunk = payload[: args.chunk_bytes].tobytes()
+        measure: dict[str, Callable[[int], Awaitable[float]]] = {
+            "memcpy": lambda _: asyncio.to_thread(_timed_sync, lambda: np.copyto(copy_target, payload)),
+            "tcp": lambda _: asyncio.to_thread(_tcp_send, sink_tcp, payload),
+            "grpc_ceiling": lambda _: _timed(lambda: raw_stream(_repeat_chunk(chunk, nbytes))),
+            "grpc": lambda repeat: real_path(shm=False, tag=f"{count}-{repeat}"),
+            "shm": lambda repeat: real_path(shm=True, tag=f"{count}-{repeat}"),
+        }
+        order = random.Random(count)
+        for repeat in range(args.repeats + 1):  # the first round warms buffers and connections; not recorded
+            names = list(measure)
+            order.shuffle(names)  # interleaved in a new order each round: no path always runs after another
+            for name in names:
+                seconds = await measure[name](repeat)
+                if repeat:
+                    samples[name].append(seconds)
+    case: dict[str, Any] = {"tokens": count, "kv_bytes": nbytes}
+    for name, runs in samples.items():
+        case[f"{name}_gbps"] = nbytes / statistics.median(runs) / 1e9
+        case[f"{name}_ms_samples"] = [s * 1e3 for s in runs]
+    case["grpc_vs_ceiling"] = case["grpc_gbps"] / case["grpc_ceiling_gbps"]
+    case["shm_vs_grpc"] = case["shm_gbps"] / case["grpc_gbps"]
+    case["shm_vs_memcpy"] = case["shm_gbps"] / case["memcpy_gbps"]
+    return case
+
+
+async def _real_path(
+    stub: decode_pb2_grpc.DecodeStub, transfer_kv: grpc.aio.StreamUnaryMultiCallable, model: worker_pb2.ModelInfo,
+    layout: KVLayout, kv: list[tuple[torch.Tensor, torch.Tensor]], chunk_bytes: int, shm: bool, tag: str,
+) -> float:
+    """Reserve on the decode worker, then time the KV stream from its first message to decode's ack."""
+    request_id = f"bench-{'shm' if shm else 'grpc'}-{tag}"
+    call = stub.Generate(decode_pb2.DecodeRequest(request_id=request_id, prompt_tokens=layout.num_tokens,
+                                                  max_tokens=1, sampling=_GREEDY))
+    reservation = (await call.read()).reserved
+    segment = None
+    if shm:
+        segment = SegmentMaps().open(reservation.shm_segment, reservation.token, layout.total_bytes)
+        if segment is None:
+            raise RuntimeError("the decode worker lent no shared-memory segment this process can open")
+    sender = KVSender(request_id, reservation.token, model.fingerprint, layout, chunk_bytes, segment=segment)
+
+    async def layers() -> AsyncIterator[tuple[int, torch.Tensor, torch.Tensor] | int]:
+        for index, (keys, values) in enumerate(kv):
+            yield index, keys, values
+        yield 0  # the first token closes the stream
+
+    started = time.perf_counter()
+    await transfer_kv(encode_stream(sender, layers()))
+    seconds = time.perf_counter() - started
+    await _drain(call)  # max_tokens=1: the sequence finishes at once and the reservation is released
+    return seconds
+
+
+async def _exposed(stub: decode_pb2_grpc.DecodeStub, decode_address: str, prefills: dict[str, Service],
+                   model_dir: Path, model: worker_pb2.ModelInfo, args: argparse.Namespace) -> dict[str, Any]:
+    """Prefill call -> KV acknowledged by decode, against the same forward pass alone."""
+    from model_runner import forward
+    from model_runner.loading import ModelConfig
+
+    prompt = np.random.default_rng(0).integers(100, model.vocab_size, HEADLINE_TOKENS).tolist()
+    torch.set_num_threads(args.threads)
+    runner = ModelConfig(model=str(model_dir)).load()
+    forward.warm_up(runner)
+    alone = [_timed_sync(lambda: forward.prefill(runner, prompt)) for _ in range(args.exposed_repeats + 1)][1:]
+    alone_s = statistics.median(alone)
+    result: dict[str, Any] = {"tokens": HEADLINE_TOKENS, "threads": args.threads,
+                              "forward_alone_ms_samples": [s * 1e3 for s in alone]}
+    for name, service in prefills.items():
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            prefill = prefill_pb2_grpc.PrefillStub(channel)
+            full = []
+            for repeat in range(args.exposed_repeats + 1):
+                full.append(await _prefill_to_ack(stub, decode_address, prefill, prompt, f"exposed-{name}-{repeat}"))
+            full = full[1:]
+        full_s = statistics.median(s for s, _ in full)
+        result[name] = {
+            "full_path_ms": full_s * 1e3, "forward_alone_ms": alone_s * 1e3,
+            "exposed_ms": (full_s - alone_s) * 1e3, "exposed_transfer_frac": (full_s - alone_s) / alone_s,
+            "transport": full[0][1], "full_path_ms_samples": [s * 1e3 for s, _ in full],
+        }
+        print(f"bench kv: exposed transfer ({name}) done", file=sys.stderr, flush=True)
+    return result
+
+
+async def _prefill_to_ack(
+    decode: decode_pb2_grpc.DecodeStub, decode_address: str, prefill: prefill_pb2_grpc.PrefillStub,
+    prompt: list[int], request_id: str,
+) -> tuple[float, str]:
+    call = decode.Generate(decode_pb2.DecodeRequest(request_id=request_id, prompt_tokens=len(prompt), max_tokens=1,
+                                                    sampling=_GREEDY))
+    reservation = (await call.read()).reserved
+    started = time.perf_counter()
+    transport = ""
+    async for event in prefill.Prefill(prefill_pb2.PrefillRequest(
+            request_id=request_id, token_ids=prompt, sampling=_GREEDY, decode_address=decode_address,
+            reservation_token=reservation.token, shm_segment=reservation.shm_segment)):
+        if event.WhichOneof("event") == "transfer_done":
+            transport = event.transfer_done.transport
+    seconds = time.perf_counter() - started
+    await _drain(call)
+    return seconds, transport
+
+
+# --- helpers -------------------------------------------------------------------------------------------------
+
+
+async def _drain(call: grpc.aio.UnaryStreamCall) -> None:
+    while await call.read() is not grpc.aio.EOF:
+        pass
+
+
+async def _timed(make_call: Callable[[], Any]) -> float:
+    started = time.perf_counter()
+    await make_call()
+    return time.perf_counter() - started
+
+
+def _timed_sync(work: Callable[[], Any]) -> float:
+    started = time.perf_counter()
+    work()
+    return time.perf_counter() - started
+
+
+async def _repeat_chunk(chunk: bytes, nbytes: int) -> AsyncIterator[bytes]:
+    for offset in range(0, nbytes, len(chunk)):
+        yield chunk if offset + len(chunk) <= nbytes else chunk[: nbytes - offset]
+
+
+def _tcp_send(port: int, payload: np.ndarray) -> float:
+    with socket.create_connection(("127.0.0.1", port)) as connection:
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        started = time.perf_counter()
+        connection.sendall(len(payload).to_bytes(8, "little"))
+        connection.sendall(payload.data)
+        connection.recv(1)  # the sink's acknowledgement: every byte arrived
+        return time.perf_counter() - started
+
+
+def _machine() -> dict[str, Any]:
+    model_name = ""
+    try:
+        model_name = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                          if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": model_name or platform.processor(), "cores": os.cpu_count(), "python": platform.python_version(),
+            "torch": torch.__version__, "grpcio": grpc.__version__, "platform": platform.platform()}
+
+
+def _table(result: dict[str, Any]) -> str:
+    lines = [f"KV transfer, {result['model']} ({result['kv_bytes_per_token']} B/token), chunks of "
+             f"{result['chunk_bytes']} B, median of {result['repeats']}; {result['machine']['cpu']}, "
+             f"{result['machine']['cores']} cores. GB/s = 1e9 bytes/s.",
+             f"{'tokens':>7} {'MB':>7} {'grpc':>7} {'ceiling':>8} {'tcp':>7} {'shm':>7} {'memcpy':>7} "
+             f"{'grpc/ceil':>9} {'shm/grpc':>8} {'shm/memcpy':>10}"]
+    for case in result["cases"].values():
+        lines.append(f"{case['tokens']:>7} {case['kv_bytes'] / 1e6:>7.1f} {case['grpc_gbps']:>7.2f} "
+                     f"{case['grpc_ceiling_gbps']:>8.2f} {case['tcp_gbps']:>7.2f} {case['shm_gbps']:>7.2f} "
+                     f"{case['memcpy_gbps']:>7.2f} {case['grpc_vs_ceiling']:>9.0%} {case['shm_vs_grpc']:>7.1f}x "
+                     f"{case['shm_vs_memcpy']:>10.0%}")
+    exposed = result["exposed"]
+    if exposed:
+        lines.append(f"Exposed transfer at {exposed['tokens']} tokens (prefill call -> KV acknowledged, minus the "
+                     f"forward pass alone, {exposed['threads']} thread(s)):")
+        for name in PREFILL_VARIANTS:
+            e = exposed[name]
+            lines.append(f"  {name:<16} forward alone {e['forward_alone_ms']:8.1f} ms  full path "
+                         f"{e['full_path_ms']:8.1f} ms  exposed {e['exposed_ms']:7.1f} ms = "
+                         f"{e['exposed_transfer_frac']:6.1%} ({e['transport']})")
+    return "\n".join(lines)
+
+
+def _plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = ["grpc", "grpc_ceiling", "tcp", "shm", "memcpy"]
+    cases = list(result["cases"].values())
+    figure, axis = plt.subplots(figsize=(8, 4.5))
+    width = 0.8 / len(paths)
+    for i, name in enumerate(paths):
+        axis.bar([c + i * width for c in range(len(cases))], [case[f"{name}_gbps"] for case in cases], width,
+                 label=name)
+    axis.set_xticks([c + 0.4 - width / 2 for c in range(len(cases))],
+                    [f"{case['tokens']} tokens\n{case['kv_bytes'] / 1e6:.0f} MB" for case in cases])
+    axis.set_ylabel("GB/s (median)")
+    axis.set_title(f"KV transfer, {result['model']}: pdserve paths vs ceilings")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+# --- the sink process ----------------------------------------------------------------------------------------
+
+
+def _sink() -> None:
+    """Counts raw gRPC bytes and TCP bytes; prints one JSON line with its gRPC address, like a pdserve worker."""
+    import uvloop
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_tcp_sink, args=(listener,), daemon=True).start()
+
+    async def count(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
+        received = 0
+        async for message in requests:
+            received += len(message)
+        return received.to_bytes(8, "little")
+
+    async def tcp_port(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return int(listener.getsockname()[1]).to_bytes(8, "little")
+
+    async def main() -> None:
+        server = grpc.aio.server(options=_CHANNEL_OPTIONS)
+        handlers = {"Bytes": grpc.stream_unary_rpc_method_handler(count),  # no deserializer: raw bytes
+                    "TcpPort": grpc.unary_unary_rpc_method_handler(tcp_port)}
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("pdserve.bench.Sink", handlers)])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        print(json.dumps({"address": f"127.0.0.1:{port}"}), flush=True)
+        await server.wait_for_termination()
+
+    uvloop.run(main())
+
+
+def _tcp_sink(listener: socket.socket) -> None:
+    buffer = bytearray()
+    while True:
+        connection, _ = listener.accept()
+        with connection:
+            header = connection.recv(8, socket.MSG_WAITALL)
+            total = int.from_bytes(header, "little")
+            if len(buffer) < total:
+                buffer = bytearray(total)
+            view, received = memoryview(buffer), 0
+            while received < total:
+                got = connection.recv_into(view[received:total])
+                if not got:
+                    break
+                received += got
+            connection.sendall(b"k")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--sink"]:
+        _sink()
