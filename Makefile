@@ -9,7 +9,7 @@ GENERATED := $(PROTOS:.proto=_pb2.py)
 PYTEST_ARGS ?=
 PORT ?= 50051
 
-.PHONY: install protos run test test-fast lint clean
+.PHONY: install protos run test test-fast bench lint clean
 
 install: $(INSTALLED) protos
 
@@ -38,9 +38,13 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
+# Benchmarks print a table and write JSON + a plot under bench/results/.
+bench: install
+	$(VENV)/bin/pdserve bench kv
+
 lint: install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy gateway prefill_service decode_service kv_wire model_runner pdserve
+	$(VENV)/bin/mypy gateway prefill_service decode_service kv_wire model_runner pdserve bench
 
 clean:
 	rm -rf $(VENV) protos/*_pb2*.py protos/*_pb2*.pyi

@@ -8,8 +8,9 @@ must keep room for generated tokens), measures side by side:
 - grpc_ceiling: raw grpcio bytes streaming with the same chunk size into a sink that only counts them;
 - tcp: one loopback TCP stream into a sink; memcpy: one copy between two warm buffers in one thread.
 Then the exposed transfer time: a real prefill worker's Prefill call until its KV is acknowledged by the decode
-worker, minus the prefill forward pass alone (same model, same threads, run here), as a fraction of the
-forward pass; for the default (shared memory, layer-streamed), gRPC, and gRPC-after-the-forward-pass paths.
+worker, minus the prefill forward pass alone, as a fraction of the forward pass; for the default (shared
+memory, layer-streamed), gRPC, and gRPC-after-the-forward-pass workers. "Alone" is the forward time reported by
+the worker that sends its KV only after the pass, so nothing else runs beside it.
 Every figure is the median of --repeats runs; the JSON also keeps every sample.
 """
 
@@ -62,7 +63,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=7, help="runs per figure; the median is reported")
     parser.add_argument("--exposed-repeats", type=int, default=3, help="prefill runs per exposed-time figure")
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
-                        help="torch threads of the prefill worker and of the compute-alone run (default: %(default)s)")
+                        help="torch threads of the prefill workers (default: %(default)s, as `pdserve cluster`)")
     parser.add_argument("--no-exposed", action="store_true", help="skip the (slow) exposed-transfer measurement")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--out", default="bench/results", help="directory for kv.json and kv.png")
@@ -82,10 +83,15 @@ def run(args: argparse.Namespace) -> int:
 
 async def _bench(args: argparse.Namespace, model_dir: Path, tokens: list[int]) -> dict[str, Any]:
     flags = ["--host", "127.0.0.1", "--port", "0", "--model", str(model_dir)]
-    decode = _spawn("decode", "decode_service", [*flags, "--threads", "1", "--max-seqs", "2"])
-    sink = _spawn("sink", "bench.kv", ["--sink"])
+    # Senders (this process, the prefill workers) on one half of the cores, receivers on the other, as a
+    # deployment sharing a host would pin them: the figures do not depend on where the scheduler put whom.
+    cores = sorted(os.sched_getaffinity(0))
+    send_cpus, receive_cpus = set(cores[: len(cores) // 2] or cores), set(cores[len(cores) // 2 :])
+    os.sched_setaffinity(0, send_cpus)
+    decode = _spawn("decode", "decode_service", [*flags, "--threads", "1", "--max-seqs", "2"], receive_cpus)
+    sink = _spawn("sink", "bench.kv", ["--sink"], receive_cpus)
     prefills = {} if args.no_exposed else {
-        name: _spawn("prefill", "prefill_service", [*flags, "--threads", str(args.threads), *extra])
+        name: _spawn("prefill", "prefill_service", [*flags, "--threads", str(args.threads), *extra], send_cpus)
         for name, extra in PREFILL_VARIANTS.items()}
     services = [decode, sink, *prefills.values()]
     try:
@@ -98,7 +104,7 @@ async def _bench(args: argparse.Namespace, model_dir: Path, tokens: list[int]) -
                 cases[str(count)] = await _throughput_case(stub, codec.transfer_kv(channel), model, sink.address,
                                                            count, args)
                 print(f"bench kv: {count} tokens done", file=sys.stderr, flush=True)
-            exposed = {} if args.no_exposed else await _exposed(stub, decode.address, prefills, model_dir, model, args)
+            exposed = {} if args.no_exposed else await _exposed(stub, decode.address, prefills, model, args)
     finally:
         stop_all(services, grace_s=10)
     headline = cases.get(str(HEADLINE_TOKENS), next(iter(cases.values())))
@@ -183,53 +189,59 @@ async def _real_path(
 
 
 async def _exposed(stub: decode_pb2_grpc.DecodeStub, decode_address: str, prefills: dict[str, Service],
-                   model_dir: Path, model: worker_pb2.ModelInfo, args: argparse.Namespace) -> dict[str, Any]:
-    """Prefill call -> KV acknowledged by decode, against the same forward pass alone."""
-    from model_runner import forward
-    from model_runner.loading import ModelConfig
+                   model: worker_pb2.ModelInfo, args: argparse.Namespace) -> dict[str, Any]:
+    """Prefill call -> KV acknowledged by decode, against the forward pass alone.
 
+    "Alone" is the forward time the gRPC-after-the-forward-pass worker reports: its pass runs with no transfer
+    work beside it, in a worker process like the others. The variants take turns, round by round.
+    """
     prompt = np.random.default_rng(0).integers(100, model.vocab_size, HEADLINE_TOKENS).tolist()
-    torch.set_num_threads(args.threads)
-    runner = ModelConfig(model=str(model_dir)).load()
-    forward.warm_up(runner)
-    alone = [_timed_sync(lambda: forward.prefill(runner, prompt)) for _ in range(args.exposed_repeats + 1)][1:]
-    alone_s = statistics.median(alone)
-    result: dict[str, Any] = {"tokens": HEADLINE_TOKENS, "threads": args.threads,
-                              "forward_alone_ms_samples": [s * 1e3 for s in alone]}
-    for name, service in prefills.items():
-        async with grpc.aio.insecure_channel(service.address) as channel:
-            prefill = prefill_pb2_grpc.PrefillStub(channel)
-            full = []
-            for repeat in range(args.exposed_repeats + 1):
-                full.append(await _prefill_to_ack(stub, decode_address, prefill, prompt, f"exposed-{name}-{repeat}"))
-            full = full[1:]
-        full_s = statistics.median(s for s, _ in full)
+    runs: dict[str, list[tuple[float, float, str]]] = {name: [] for name in prefills}
+    channels = {name: grpc.aio.insecure_channel(service.address) for name, service in prefills.items()}
+    try:
+        for repeat in range(args.exposed_repeats + 1):  # the first round warms up; not recorded
+            for name, channel in channels.items():
+                run = await _prefill_to_ack(stub, decode_address, prefill_pb2_grpc.PrefillStub(channel), prompt,
+                                            f"exposed-{name}-{repeat}")
+                if repeat:
+                    runs[name].append(run)
+            print(f"bench kv: exposed transfer round {repeat} done", file=sys.stderr, flush=True)
+    finally:
+        for channel in channels.values():
+            await channel.close()
+    alone_s = statistics.median(forward for _, forward, _ in runs["grpc_unstreamed"])
+    result: dict[str, Any] = {"tokens": HEADLINE_TOKENS, "threads": args.threads, "forward_alone_ms": alone_s * 1e3}
+    for name, samples in runs.items():
+        full_s = statistics.median(full for full, _, _ in samples)
         result[name] = {
-            "full_path_ms": full_s * 1e3, "forward_alone_ms": alone_s * 1e3,
-            "exposed_ms": (full_s - alone_s) * 1e3, "exposed_transfer_frac": (full_s - alone_s) / alone_s,
-            "transport": full[0][1], "full_path_ms_samples": [s * 1e3 for s, _ in full],
+            "full_path_ms": full_s * 1e3, "exposed_ms": (full_s - alone_s) * 1e3,
+            "exposed_transfer_frac": (full_s - alone_s) / alone_s, "transport": samples[0][2],
+            "full_path_ms_samples": [full * 1e3 for full, _, _ in samples],
+            "forward_ms_samples": [forward * 1e3 for _, forward, _ in samples],
         }
-        print(f"bench kv: exposed transfer ({name}) done", file=sys.stderr, flush=True)
     return result
 
 
 async def _prefill_to_ack(
     decode: decode_pb2_grpc.DecodeStub, decode_address: str, prefill: prefill_pb2_grpc.PrefillStub,
     prompt: list[int], request_id: str,
-) -> tuple[float, str]:
+) -> tuple[float, float, str]:
+    """(seconds from the Prefill call to TransferDone, the worker's forward seconds, the KV transport)."""
     call = decode.Generate(decode_pb2.DecodeRequest(request_id=request_id, prompt_tokens=len(prompt), max_tokens=1,
                                                     sampling=_GREEDY))
     reservation = (await call.read()).reserved
     started = time.perf_counter()
-    transport = ""
+    transport, forward_s = "", 0.0
     async for event in prefill.Prefill(prefill_pb2.PrefillRequest(
             request_id=request_id, token_ids=prompt, sampling=_GREEDY, decode_address=decode_address,
             reservation_token=reservation.token, shm_segment=reservation.shm_segment)):
-        if event.WhichOneof("event") == "transfer_done":
+        if event.WhichOneof("event") == "first_token":
+            forward_s = event.first_token.forward_ms / 1e3
+        elif event.WhichOneof("event") == "transfer_done":
             transport = event.transfer_done.transport
     seconds = time.perf_counter() - started
     await _drain(call)
-    return seconds, transport
+    return seconds, forward_s, transport
 
 
 # --- helpers -------------------------------------------------------------------------------------------------
@@ -275,6 +287,7 @@ def _machine() -> dict[str, Any]:
     except (OSError, StopIteration):
         pass
     return {"cpu": model_name or platform.processor(), "cores": os.cpu_count(), "python": platform.python_version(),
+            "pinning": "senders on the first half of the cores, receivers on the second",
             "torch": torch.__version__, "grpcio": grpc.__version__, "platform": platform.platform()}
 
 
@@ -291,13 +304,12 @@ def _table(result: dict[str, Any]) -> str:
                      f"{case['shm_vs_memcpy']:>10.0%}")
     exposed = result["exposed"]
     if exposed:
-        lines.append(f"Exposed transfer at {exposed['tokens']} tokens (prefill call -> KV acknowledged, minus the "
-                     f"forward pass alone, {exposed['threads']} thread(s)):")
+        lines.append(f"Exposed transfer at {exposed['tokens']} tokens: prefill call -> KV acknowledged, minus the "
+                     f"forward pass alone ({exposed['forward_alone_ms']:.0f} ms, {exposed['threads']} thread(s)):")
         for name in PREFILL_VARIANTS:
             e = exposed[name]
-            lines.append(f"  {name:<16} forward alone {e['forward_alone_ms']:8.1f} ms  full path "
-                         f"{e['full_path_ms']:8.1f} ms  exposed {e['exposed_ms']:7.1f} ms = "
-                         f"{e['exposed_transfer_frac']:6.1%} ({e['transport']})")
+            lines.append(f"  {name:<16} full path {e['full_path_ms']:8.1f} ms  exposed {e['exposed_ms']:7.1f} ms = "
+                         f"{e['exposed_transfer_frac']:6.1%} of the forward pass ({e['transport']})")
     return "\n".join(lines)
 
 

@@ -119,14 +119,10 @@ class KVReceiver:
                              f"{layout.tensor_bytes}-byte tensor")
         start = tensor * layout.tensor_bytes + chunk.offset
         landed = target[start : start + size]
-        if self._segment is not None:
-            landed[:] = self._segment[start : start + size]  # copy first, then verify the copy
-            good = checksum(landed) == chunk.checksum
-        else:
-            good = checksum(data) == chunk.checksum
-            if good:
-                landed[:] = np.frombuffer(data, dtype=np.uint8)
-        if not good:
+        # Copy first, then verify the copy while it is still in cache (and, for shm, so that nothing a writer
+        # does to the segment later can change verified bytes). A mismatch drops the whole buffer.
+        landed[:] = self._segment[start : start + size] if self._segment is not None else np.frombuffer(data, np.uint8)
+        if checksum(landed) != chunk.checksum:
             raise self.fail(grpc.StatusCode.DATA_LOSS,
                             f"layer {chunk.layer} chunk at offset {chunk.offset}: checksum mismatch")
         self._offset = chunk.offset + size

@@ -98,9 +98,16 @@ def _die_with_parent() -> None:
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _spawn(role: str, module: str, args: list[str]) -> Service:
+def _spawn(role: str, module: str, args: list[str], cpus: set[int] | None = None) -> Service:
+    """Start `python -m module args`; with `cpus`, the process and every thread it starts run only there."""
+
+    def prepare() -> None:  # in the child, before exec
+        _die_with_parent()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
     process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, text=True,
-                               preexec_fn=_die_with_parent)
+                               preexec_fn=prepare)
     return Service(role, process)
 
 
