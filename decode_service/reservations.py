@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import hmac
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -53,6 +52,7 @@ class Reservation:
     phase: Phase = Phase.WAITING
     sequence: Any = None  # the engine's Sequence once admitted
     segment: Buffer | None = None  # shared-memory segment lent to prefill until the KV is admitted
+    transfer: asyncio.Task | None = None  # the TransferKV handler that claimed this reservation
     # What the Generate stream relays: (token_ids, finish_reason) tuples or one Failure.
     events: asyncio.Queue[tuple[list[int], str] | Failure] = field(default_factory=asyncio.Queue)
 
@@ -75,8 +75,8 @@ class ReservationTable:
         self._live: dict[str, Reservation] = {}
 
     def reserve(self, params: DecodeParams) -> Reservation:
-        if params.request_id in self._live:
-            raise ValueError(f"request_id {params.request_id!r} already holds a reservation here")
+        """Keyed by its token, so each attempt is its own reservation: a gateway retrying a request id need not
+        wait for this worker to have processed the earlier attempt's cancellation."""
         kv_bytes = (params.prompt_tokens + params.max_tokens) * self.kv_bytes_per_token
         if len(self._live) >= self.max_seqs:
             raise CapacityExhausted(f"all {self.max_seqs} sequence slots are reserved")
@@ -85,13 +85,15 @@ class ReservationTable:
                                     f"{self.kv_budget_bytes - self.kv_bytes} of {self.kv_budget_bytes} free")
         reservation = Reservation(params=params, token=secrets.token_urlsafe(24), kv_bytes=kv_bytes,
                                   expires_at=time.monotonic() + self.lease_s)
-        self._live[params.request_id] = reservation
+        self._live[reservation.token] = reservation
         return reservation
 
     def claim(self, request_id: str, token: str) -> Reservation:
-        """The one KV stream that presents the right token takes the reservation; any other is refused."""
-        reservation = self._live.get(request_id)
-        if reservation is None or not hmac.compare_digest(reservation.token.encode(), token.encode()):
+        """The one KV stream that presents the right token takes the reservation; any other is refused.
+
+        Tokens are 192 random bits, so looking one up by value leaks nothing usable through timing."""
+        reservation = self._live.get(token)
+        if reservation is None or reservation.params.request_id != request_id:
             raise KVTransferError(grpc.StatusCode.PERMISSION_DENIED,
                                   f"no live reservation for request {request_id!r} with this token "
                                   "(forged, expired or already released)")
@@ -107,8 +109,8 @@ class ReservationTable:
 
     def release(self, reservation: Reservation) -> None:
         reservation.phase = Phase.CLOSED
-        if self._live.get(reservation.params.request_id) is reservation:
-            del self._live[reservation.params.request_id]
+        if self._live.get(reservation.token) is reservation:
+            del self._live[reservation.token]
 
     @property
     def kv_bytes(self) -> int:

@@ -115,8 +115,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             reservation = self.table.reserve(params)
         except CapacityExhausted as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker full: {exc}")
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         try:
             await self._lend_segment(reservation)
             lease_ms = int(self.config.lease_s * 1000)
@@ -130,6 +128,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 self.engine.abort(reservation.sequence)
             self._take_segment_back(reservation)
             self.table.release(reservation)
+            if reservation.transfer is not None and not reservation.transfer.done():
+                reservation.transfer.cancel()  # a KV stream still arriving for a request nobody waits for
 
     async def _lend_segment(self, reservation: Reservation) -> None:
         if self.segments is None:
@@ -196,6 +196,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 if not isinstance(first, kv_transfer_pb2.KVTransfer) or first.WhichOneof("part") != "header":
                     raise receiver.fail(grpc.StatusCode.INVALID_ARGUMENT, "a KV stream must start with a header")
                 reservation = self.table.claim(first.header.request_id, first.header.reservation_token)
+                reservation.transfer = asyncio.current_task()  # released mid-stream: this handler is cancelled
                 deadline.reschedule(_loop_time(reservation.expires_at))
                 receiver.accept_header(first.header, reservation.params.prompt_tokens, reservation.segment)
                 received = await self._receive(request_iterator, receiver, reservation)
@@ -204,7 +205,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         except TimeoutError:
             await self._refuse(context, reservation, receiver, grpc.StatusCode.DEADLINE_EXCEEDED,
                                "KV stream stalled: not complete before the reservation's lease ended")
-        except asyncio.CancelledError:  # prefill went away mid-stream: fail the reservation, then let it unwind
+        except asyncio.CancelledError:  # prefill went away, or the reservation was released, mid-stream
+            receiver.fail(grpc.StatusCode.CANCELLED, "cancelled")  # drops the partial KV
+            if reservation is not None and reservation.phase is Phase.CLOSED and not context.cancelled():
+                # Released by this worker (see Generate): end the stream with a status instead of dropping it.
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                await context.abort(grpc.StatusCode.CANCELLED,
+                                    f"request {reservation.params.request_id!r} was released during the transfer")
             if reservation is not None:
                 reservation.fail(grpc.StatusCode.UNAVAILABLE, "KV stream from prefill was cancelled mid-transfer")
             raise

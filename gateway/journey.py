@@ -52,7 +52,7 @@ def _hop_error(exc: grpc.aio.AioRpcError, hop: str, worker: Worker) -> GatewayEr
 
 
 async def reserve(
-    params: GenerateParams, pool: Pool, timeout: float | None
+    params: GenerateParams, pool: Pool, rpc_timeout: float | None
 ) -> tuple[Worker, grpc.aio.UnaryStreamCall, decode_pb2.Reservation]:
     """Open a Generate call on the first decode worker with room; its first event is the reservation."""
     request = decode_pb2.DecodeRequest(
@@ -60,7 +60,7 @@ async def reserve(
         sampling=sampling_to_pb(params.sampling), ignore_eos=params.ignore_eos)
     refusals = []
     for worker in pool.in_turn():
-        call = worker.stub.Generate(request, timeout=timeout)
+        call = worker.stub.Generate(request, timeout=rpc_timeout)
         try:
             event = await call.read()
         except grpc.aio.AioRpcError as exc:
@@ -80,23 +80,23 @@ async def reserve(
 
 
 async def run(
-    params: GenerateParams, prefill: Pool, decode: Pool, timings: Timings, timeout: float | None
+    params: GenerateParams, prefill: Pool, decode: Pool, timings: Timings, rpc_timeout: float | None
 ) -> AsyncGenerator[Tokens, None]:
     started = time.perf_counter()
-    decode_worker, decode_call, reservation = await reserve(params, decode, timeout)
+    decode_worker, decode_call, reservation = await reserve(params, decode, rpc_timeout)
     timings.reserve_ms = (time.perf_counter() - started) * 1e3
     prefill_worker = prefill.in_turn()[0]
     prefill_call = prefill_worker.stub.Prefill(prefill_pb2.PrefillRequest(
         request_id=params.request_id, token_ids=params.prompt_ids, sampling=sampling_to_pb(params.sampling),
         decode_address=decode_worker.address, reservation_token=reservation.token,
-        shm_segment=reservation.shm_segment), timeout=timeout)
+        shm_segment=reservation.shm_segment), timeout=rpc_timeout)
     transfer: asyncio.Future[prefill_pb2.TransferDone] | None = None
     try:
-        first = await _prefill_event(prefill_call, prefill_worker, "first_token")
+        first, decode_read = await _first_token(prefill_call, prefill_worker, decode_call, decode_worker)
         timings.prefill_queue_ms, timings.prefill_ms = first.first_token.queue_ms, first.first_token.forward_ms
         yield Tokens([first.first_token.token_id])
         transfer = asyncio.ensure_future(_prefill_event(prefill_call, prefill_worker, "transfer_done"))
-        async for tokens in _decoded(decode_call, decode_worker, transfer, timings):
+        async for tokens in _decoded(decode_call, decode_worker, transfer, timings, decode_read):
             yield tokens
             if tokens.finish_reason:
                 break
@@ -109,6 +109,27 @@ async def run(
         prefill_call.cancel()
         if transfer is not None:
             transfer.cancel()
+
+
+async def _first_token(
+    prefill_call: grpc.aio.UnaryStreamCall, prefill_worker: Worker,
+    decode_call: grpc.aio.UnaryStreamCall, decode_worker: Worker,
+) -> tuple[prefill_pb2.PrefillEvent, asyncio.Future]:
+    """Prefill's first token, watching decode meanwhile: while the prompt waits in prefill's queue, the
+    reservation's lease may end, and the client must see decode's DEADLINE_EXCEEDED, not the refusal of a
+    transfer that comes too late. Returns the first-token event and decode's pending (or finished) read."""
+    first = asyncio.ensure_future(_prefill_event(prefill_call, prefill_worker, "first_token"))
+    decode_read = asyncio.ensure_future(decode_call.read())
+    await asyncio.wait([first, decode_read], return_when=asyncio.FIRST_COMPLETED)
+    if not first.done() and decode_read.exception() is not None:
+        first.cancel()
+        exc = decode_read.exception()
+        raise _hop_error(exc, "decode", decode_worker) if isinstance(exc, grpc.aio.AioRpcError) else exc  # type: ignore[misc]
+    try:
+        return await first, decode_read  # decode's tokens may come first by a hair; prefill's token still follows
+    except BaseException:
+        decode_read.cancel()
+        raise
 
 
 async def _prefill_event(call: grpc.aio.UnaryStreamCall, worker: Worker, kind: str) -> prefill_pb2.PrefillEvent:
@@ -128,11 +149,14 @@ def _record_transfer(timings: Timings, event: prefill_pb2.PrefillEvent) -> None:
 
 
 async def _decoded(
-    call: grpc.aio.UnaryStreamCall, worker: Worker, transfer: asyncio.Future, timings: Timings
+    call: grpc.aio.UnaryStreamCall, worker: Worker, transfer: asyncio.Future, timings: Timings,
+    read: asyncio.Future | None = None,
 ) -> AsyncIterator[Tokens]:
-    """Decode's token events; while the KV transfer is still open, a prefill failure ends the stream at once."""
+    """Decode's token events; while the KV transfer is still open, a prefill failure ends the stream at once.
+
+    `read` is a call.read() already under way."""
     while True:
-        read = asyncio.ensure_future(call.read())
+        read = read or asyncio.ensure_future(call.read())
         if not transfer.done():
             await asyncio.wait([read, transfer], return_when=asyncio.FIRST_COMPLETED)
             if transfer.done() and transfer.exception() is not None:
@@ -146,4 +170,5 @@ async def _decoded(
             raise _hop_error(exc, "decode", worker) from None
         if event is grpc.aio.EOF:
             raise GatewayError(grpc.StatusCode.INTERNAL, f"decode worker {worker.address} ended without finishing")
+        read = None
         yield Tokens(list(event.tokens.token_ids), event.tokens.finish_reason)

@@ -100,7 +100,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             self._in_flight.discard(params.request_id)
 
     async def _generate(
-        self, params: GenerateParams, arrived: float, timeout: float | None
+        self, params: GenerateParams, arrived: float, rpc_timeout: float | None
     ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.prompt_ids)
         stops = StopMatcher(params.stop)
@@ -109,7 +109,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         first_at = 0.0
         finish = ""
         # aclosing: a stop string ends the loop early, and the journey must cancel its worker calls right then
-        async with contextlib.aclosing(journey.run(params, self.prefill, self.decode, timings, timeout)) as pieces:
+        async with contextlib.aclosing(journey.run(params, self.prefill, self.decode, timings, rpc_timeout)) as pieces:
             async for tokens in pieces:
                 generated += len(tokens.token_ids)
                 text, stopped = stops.feed(detokenizer.add(tokens.token_ids))

@@ -92,6 +92,8 @@ class _KVPush:
 
     def deliver(self, item: tuple[int, torch.Tensor, torch.Tensor] | int) -> None:
         """A finished layer (or the first token, which closes the stream). Runs on the event loop."""
+        if self.call is None and self._abandon.is_set():  # queued just before the request ended: send nothing
+            return
         if self.call is None:
             self.started_at = time.perf_counter()
             self.call = asyncio.ensure_future(self._transfer_kv(encode_stream(self.sender, self._drain())))
@@ -187,11 +189,18 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self._pending_kv_bytes -= layout.total_bytes
 
     async def _transfer_result(self, push: _KVPush, address: str, context: grpc.aio.ServicerContext) -> None:
-        assert push.call is not None
+        """Wait for decode's acknowledgement; a refused or broken transfer ends this call with its status."""
+        if push.call is None:
+            await context.abort(grpc.StatusCode.CANCELLED, "the request ended before its KV was sent")
+            return
         try:
             await push.call
         except grpc.aio.AioRpcError as exc:
             await context.abort(exc.code(), f"KV transfer to decode worker {address} failed: {exc.details()}")
+        except asyncio.CancelledError:
+            if not push.call.cancelled():  # this handler itself is being cancelled
+                raise
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer to decode worker {address} was cancelled")
 
     async def _validate(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import grpc
 import pytest
 import torch
@@ -109,6 +112,28 @@ def test_undecodable_message_mid_stream_is_invalid_argument(decode, tiny_cluster
         raw = channel.stream_unary(codec.TRANSFER_KV_METHOD)  # bytes as they are, past any serializer
         assert _refused(raw, messages) == grpc.StatusCode.INVALID_ARGUMENT
     assert _stream_failure(call) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_released_reservation_ends_its_stalled_kv_stream_at_once(decode) -> None:
+    call, token = _reserve(decode, "released-mid-stream")
+    messages = _kv_stream(decode, "released-mid-stream", token)
+    unblock = threading.Event()
+
+    def header_then_stall():
+        yield from messages[:3]
+        unblock.wait(30)  # a sender that stopped sending
+
+    transfer = decode.TransferKV.future(header_then_stall(), timeout=30)
+    try:
+        time.sleep(0.5)  # the header and two chunks are in
+        started = time.monotonic()
+        call.cancel()  # the gateway gives up on the request
+        with pytest.raises(grpc.RpcError) as ended:
+            transfer.result(timeout=10)
+        assert ended.value.code() == grpc.StatusCode.CANCELLED
+        assert time.monotonic() - started < 2.0  # not at the 3 s lease
+    finally:
+        unblock.set()
 
 
 def test_reservation_whose_kv_never_arrives_expires_with_its_lease(decode) -> None:

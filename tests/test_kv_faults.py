@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from kv_wire import buffers
+from pdserve.client import generate
 from pdserve.cluster import _await_ready, _spawn, stop_all
 from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, worker_pb2
 from tests.conftest import assert_nothing_held, start_cluster
@@ -103,5 +104,23 @@ def test_segments_of_a_killed_decode_worker_are_removed_when_the_next_one_starts
             assert not any(s.exists() for s in segments)
         finally:
             stop_all([successor], grace_s=10)
+    finally:
+        cluster.stop()
+
+
+def test_lease_ending_while_prefill_is_frozen_reaches_the_client_as_deadline_exceeded(tiny_model_dir: Path) -> None:
+    cluster = start_cluster(tiny_model_dir, decode_args=("--lease=1",))
+    prefill = cluster.prefill[0].process
+    try:
+        prefill.send_signal(signal.SIGSTOP)  # the prompt waits, as in a long prefill queue
+        try:
+            with pytest.raises(grpc.RpcError) as failed:
+                generate(cluster.gateway.address, timeout=30, prompt="Hello", max_tokens=4)
+        finally:
+            prefill.send_signal(signal.SIGCONT)
+        assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "lease" in (failed.value.details() or "")
+        assert_nothing_held(cluster, within_s=5)
+        assert generate(cluster.gateway.address, timeout=30, prompt="Hello", max_tokens=4).finish_reason
     finally:
         cluster.stop()
