@@ -12,10 +12,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from model_runner.forward import decode_step
-from model_runner.kv_cache import SlotKVCache
+from model_runner.kv_cache import KVPieces, SlotKVCache
 from model_runner.loading import LoadedModel
 from model_runner.sampling import SamplingParams, sample
 
@@ -25,7 +23,6 @@ log = logging.getLogger(__name__)
 # when the engine could not continue the sequence.
 Emit = Callable[[list[int], str], None]
 FAILED = "error"
-PromptKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values (num_kv_heads, prompt_len, head_dim)
 
 
 @dataclass
@@ -60,7 +57,7 @@ class DecodeEngine:
         self.cache = SlotKVCache(spec.num_layers, max_seqs, spec.num_kv_heads, spec.max_model_len, spec.head_dim,
                                  runner.model.dtype, runner.device)
         self._running: list[Sequence] = []  # index = slot
-        self._joining: collections.deque[tuple[Sequence, PromptKV, Callable[[], None]]] = collections.deque()
+        self._joining: collections.deque[tuple[Sequence, KVPieces, Callable[[], None]]] = collections.deque()
         self._abort_pending = False
         self._wake = threading.Condition()
         self._stopped = False
@@ -77,7 +74,7 @@ class DecodeEngine:
         self._thread.join(timeout=30)
 
     # Called from the event loop.
-    def submit(self, seq: Sequence, kv: PromptKV, release: Callable[[], None]) -> None:
+    def submit(self, seq: Sequence, kv: KVPieces, release: Callable[[], None]) -> None:
         """Queue a sequence to join at the next step; `release()` is called once `kv` was copied in (or dropped)."""
         with self._wake:
             self._joining.append((seq, kv, release))
@@ -126,7 +123,7 @@ class DecodeEngine:
                     seq.emit([], reason or FAILED)
                     continue
                 try:
-                    self.cache.load(len(self._running), kv)
+                    self.cache.load(len(self._running), kv, seq.prompt_len)
                 except Exception:
                     log.exception("loading the KV of %s failed", seq.request_id)
                     seq.emit([], FAILED)

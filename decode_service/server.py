@@ -274,7 +274,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         )
         reservation.phase = Phase.ADMITTED
         reservation.sequence = seq
-        self.engine.submit(seq, received.layers, received.release)
+        self.engine.submit(seq, received.pieces, received.release)
 
     async def GetInfo(
         self, request: worker_pb2.WorkerInfoRequest, context: grpc.aio.ServicerContext
@@ -283,6 +283,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             role="decode",
             model=model_info(self.spec),
             live_reservations=self.table.count(Phase.WAITING, Phase.TRANSFERRING),
+            live_transfers=self.table.count(Phase.TRANSFERRING),
             live_sequences=self.engine.live_sequences,
             live_kv_bytes=self.table.kv_bytes,
             max_sequences=self.config.max_seqs,

@@ -97,13 +97,15 @@ async def run(
         yield Tokens([first.first_token.token_id])
         transfer = asyncio.ensure_future(_prefill_event(prefill_call, prefill_worker, "transfer_done"))
         async for tokens in _decoded(decode_call, decode_worker, transfer, timings, decode_read):
+            if tokens.finish_reason and not transfer.done():
+                # The last response carries the timing. Decode finished, so it acknowledged the KV and prefill's
+                # report is on its way: wait for it briefly (a busy prefill worker's event loop can lag).
+                await asyncio.wait([transfer], timeout=1.0)
+                if transfer.done() and not transfer.cancelled() and transfer.exception() is None:
+                    _record_transfer(timings, transfer.result())
             yield tokens
             if tokens.finish_reason:
                 break
-        if not transfer.done():  # decode may finish before prefill's acknowledgement reaches us
-            await asyncio.wait([transfer], timeout=5.0)
-        if transfer.done() and not transfer.cancelled() and transfer.exception() is None:
-            _record_transfer(timings, transfer.result())
     finally:
         decode_call.cancel()
         prefill_call.cancel()

@@ -3,13 +3,16 @@
 Nothing is handed on until the trailer proved the stream whole: every tensor covered exactly once, in order,
 every checksum right, the totals equal. Any violation raises KVTransferError with the status that names it.
 
-The KV is assembled in a private staging buffer from a warm pool. On the shared-memory path each chunk is
-copied out of the segment first and its checksum verified on the private copy, so a writer that keeps
-writing into the segment after its lease ended can never change KV that was already verified.
+On the gRPC path the received messages are the KV: each chunk is verified where it landed (a view of the
+message, see codec.py) and kept, and the engine copies the pieces straight into the sequence's slot when it
+joins: one copy on this side. On the shared-memory path each chunk is first copied out of the segment into a
+private staging buffer from a warm pool and verified there, so a writer that keeps writing into the segment
+after its lease ended can never change KV that was already verified.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,6 +23,7 @@ import torch
 from kv_wire.buffers import Buffer, BufferPool, data_region
 from kv_wire.codec import Chunk
 from kv_wire.layout import LOSSY_WIRE_DTYPES, WIRE_DTYPES, KVLayout, KVTransferError, TransferState, checksum
+from model_runner.kv_cache import KVPieces
 from model_runner.loading import ModelSpec
 from protos import kv_transfer_pb2 as pb
 
@@ -28,10 +32,20 @@ _KIND_INDEX: dict[int, int] = {pb.KV_KIND_KEYS: 0, pb.KV_KIND_VALUES: 1}
 
 @dataclass
 class ReceivedKV:
-    layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values (num_kv_heads, num_tokens, head_dim)
+    pieces: KVPieces  # every tensor's verified elements, in the wire dtype
+    layout: KVLayout
     first_token: int
-    nbytes: int
-    release: Callable[[], None]  # gives the staging memory back once the KV was copied where it lives next
+    release: Callable[[], None]  # gives the memory back once the KV was copied where it lives next
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.total_bytes
+
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (keys, values) of shape (num_kv_heads, num_tokens, head_dim), assembled (copies)."""
+        shape = self.layout.tensor_shape
+        tensors = [torch.cat([flat for _, flat in pieces]).view(shape) for pieces in self.pieces]
+        return list(zip(tensors[0::2], tensors[1::2]))
 
 
 class KVReceiver:
@@ -41,17 +55,17 @@ class KVReceiver:
         self.state = TransferState.WAITING
         self.layout: KVLayout | None = None
         self._pool = staging
-        self._staging: Buffer | None = None
+        self._staging: Buffer | None = None  # shm streams: the private copy, from the pool
+        self._bytes: np.ndarray | None = None  # the staging buffer's KV bytes
         self._segment: np.ndarray | None = None  # shm streams: the lent segment's data region
-        self._buffer: torch.Tensor | None = None  # (num_layers, 2, heads, tokens, head_dim), in _staging
-        self._bytes: np.ndarray | None = None  # the same memory, as uint8
+        self._pieces: list[list[tuple[int, bytes | memoryview]]] = []  # gRPC streams: verified chunks per tensor
         # Where the next chunk must start: tensor index (layer * 2 + keys 0 / values 1) and byte offset in it.
         self._tensor, self._offset = 0, 0
         self.bytes_received = 0
         self.chunks_received = 0
 
     def accept_header(self, header: pb.KVHeader, reserved_tokens: int, segment: Buffer | None) -> KVLayout:
-        """Check the header against this worker's model and the reservation; take a staging buffer.
+        """Check the header against this worker's model and the reservation; for shm, take a staging buffer.
 
         `segment` is the shared-memory segment lent to the reservation, if any.
         """
@@ -81,19 +95,20 @@ class KVReceiver:
                             "header says the KV is in shared memory, but this reservation was lent no segment")
         self.layout = layout = KVLayout(header.num_layers, header.num_kv_heads, header.head_dim, header.num_tokens,
                                         header.dtype)
-        if segment is not None and header.shm:
+        if header.shm:
+            assert segment is not None
             self._segment = data_region(segment, layout.total_bytes)
-        self._staging = self._pool.acquire(layout.total_bytes)
-        self._bytes = self._staging.array[: layout.total_bytes]
-        shape = (layout.num_layers, 2, *layout.tensor_shape)
-        self._buffer = torch.from_numpy(self._bytes).view(WIRE_DTYPES[header.dtype]).view(shape)
+            self._staging = self._pool.acquire(layout.total_bytes)
+            self._bytes = self._staging.array[: layout.total_bytes]
+        else:
+            self._pieces = [[] for _ in range(2 * layout.num_layers)]
         self.state = TransferState.TRANSFERRING
         return self.layout
 
     def accept_chunk(self, chunk: pb.KVChunk | Chunk) -> None:
         """Check one chunk and copy its bytes into place (from the message, or from the lent segment)."""
-        layout, target = self.layout, self._bytes
-        assert layout is not None and target is not None, "accept_header first"
+        layout = self.layout
+        assert layout is not None and self.state is TransferState.TRANSFERRING, "accept_header first"
         if not chunk.layer < layout.num_layers or chunk.kind not in _KIND_INDEX:
             raise self.fail(grpc.StatusCode.INVALID_ARGUMENT,
                              f"chunk names layer {chunk.layer} kind {chunk.kind}: no such tensor")
@@ -117,12 +132,23 @@ class KVReceiver:
             raise self.fail(grpc.StatusCode.DATA_LOSS,
                              f"layer {chunk.layer} chunk of {size} bytes at offset {chunk.offset} does not fit a "
                              f"{layout.tensor_bytes}-byte tensor")
-        start = tensor * layout.tensor_bytes + chunk.offset
-        landed = target[start : start + size]
-        # Copy first, then verify the copy while it is still in cache (and, for shm, so that nothing a writer
-        # does to the segment later can change verified bytes). A mismatch drops the whole buffer.
-        landed[:] = self._segment[start : start + size] if self._segment is not None else np.frombuffer(data, np.uint8)
-        if checksum(landed) != chunk.checksum:
+        itemsize = WIRE_DTYPES[layout.dtype].itemsize
+        if size % itemsize or chunk.offset % itemsize:
+            raise self.fail(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"layer {chunk.layer} chunk of {size} bytes at offset {chunk.offset} splits a "
+                            f"{itemsize}-byte element (chunks hold whole elements)")
+        verified: np.ndarray | bytes | memoryview
+        if self._segment is not None and self._bytes is not None:
+            # Copy out of the segment first, then verify the private copy (still in cache): nothing a writer
+            # does to the segment later can change verified bytes.
+            start = tensor * layout.tensor_bytes + chunk.offset
+            copy = self._bytes[start : start + size]
+            copy[:] = self._segment[start : start + size]
+            verified = copy
+        else:
+            verified = data  # the message itself: immutable, kept as it is
+            self._pieces[tensor].append((chunk.offset, data))
+        if checksum(verified) != chunk.checksum:
             raise self.fail(grpc.StatusCode.DATA_LOSS,
                             f"layer {chunk.layer} chunk at offset {chunk.offset}: checksum mismatch")
         self._offset = chunk.offset + size
@@ -130,8 +156,8 @@ class KVReceiver:
         self.chunks_received += 1
 
     def finish(self, trailer: pb.KVTrailer) -> ReceivedKV:
-        layout, buffer = self.layout, self._buffer
-        assert layout is not None and buffer is not None, "accept_header first"
+        layout = self.layout
+        assert layout is not None and self.state is TransferState.TRANSFERRING, "accept_header first"
         complete = self._tensor + (self._offset == layout.tensor_bytes)
         if complete != 2 * layout.num_layers:
             raise self.fail(grpc.StatusCode.DATA_LOSS,
@@ -145,18 +171,39 @@ class KVReceiver:
             raise self.fail(grpc.StatusCode.INVALID_ARGUMENT,
                              f"trailer.first_token {trailer.first_token} is outside the vocabulary")
         self.state = TransferState.COMPLETE
-        layers = [(buffer[i, 0], buffer[i, 1]) for i in range(layout.num_layers)]
+        dtype = WIRE_DTYPES[layout.dtype]
         staging, pool = self._staging, self._pool
-        assert staging is not None
-        self._staging = self._buffer = self._bytes = self._segment = None  # the ReceivedKV owns the staging now
-        return ReceivedKV(layers=layers, first_token=trailer.first_token, nbytes=layout.total_bytes,
-                          release=lambda: pool.release(staging))
+        if staging is not None and self._bytes is not None:
+            flat = torch.from_numpy(self._bytes).view(dtype)
+            elements = layout.tensor_bytes // dtype.itemsize
+            pieces = [[(0, flat[i * elements : (i + 1) * elements])] for i in range(2 * layout.num_layers)]
+            release: Callable[[], None] = lambda: pool.release(staging)  # noqa: E731
+        else:
+            pieces = [[(offset // dtype.itemsize, _elements(data, dtype)) for offset, data in chunks]
+                      for chunks in self._pieces]
+            release = _nothing  # the messages go when the last reference does
+        self._staging = self._bytes = self._segment = None  # the ReceivedKV owns the memory now
+        self._pieces = []
+        return ReceivedKV(pieces=pieces, layout=layout, first_token=trailer.first_token, release=release)
 
     def fail(self, code: grpc.StatusCode, message: str) -> KVTransferError:
         """Mark the transfer failed and free the partial KV at once; returns the error to raise."""
         self.state = TransferState.FAILED
-        self._buffer = self._bytes = self._segment = None
+        self._bytes = self._segment = None
+        self._pieces = []
         if self._staging is not None:
             self._pool.release(self._staging)
             self._staging = None
         return KVTransferError(code, message)
+
+
+def _elements(data: bytes | memoryview, dtype: torch.dtype) -> torch.Tensor:
+    """A read-only message's bytes as a 1-D tensor, without copying. Nothing ever writes to it; torch warns
+    about read-only buffers all the same."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=dtype)
+
+
+def _nothing() -> None:
+    pass

@@ -66,8 +66,10 @@ class KVSender:
             wire = tensor.detach().to("cpu", WIRE_DTYPES[self.layout.dtype]).contiguous()
             raw = wire.view(-1).view(torch.uint8).numpy()
             base = (index * 2 + kind - 1) * self.layout.tensor_bytes  # kind is 1 (keys) or 2 (values)
-            # In shared memory a chunk is only the unit of checksumming: one per tensor, fewer messages.
-            step = self.chunk_bytes if self.segment is None else max(len(raw), 1)
+            # Chunks hold whole elements. In shared memory a chunk is only the unit of checksumming: one per
+            # tensor, fewer messages.
+            whole = self.chunk_bytes - self.chunk_bytes % wire.element_size() or wire.element_size()
+            step = whole if self.segment is None else max(len(raw), 1)
             for offset in range(0, len(raw), step):
                 piece = raw[offset : offset + step]
                 if self.segment is None:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from transformers import DynamicCache
 
-from model_runner.kv_cache import SlotKVCache
+from model_runner.kv_cache import SlotKVCache, pieces_of
 from model_runner.loading import LoadedModel
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]  # keys, values: (kv_heads, tokens, head_dim) each
@@ -65,5 +65,5 @@ def warm_up(runner: LoadedModel) -> None:
     spec = runner.spec
     _, kv = prefill(runner, [0, 0])
     cache = SlotKVCache(spec.num_layers, 1, spec.num_kv_heads, 4, spec.head_dim, runner.model.dtype, runner.device)
-    cache.load(0, kv)
+    cache.load(0, pieces_of(kv), 2)
     decode_step(runner, cache, [0], [2])

@@ -14,6 +14,16 @@ import mmap
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+# A prompt's KV as it arrived, ready to be copied into a slot: for each tensor (index layer * 2, + 1 for the
+# values), pieces of its flat (num_kv_heads, num_tokens, head_dim) elements as (index of the first element,
+# 1-D tensor). One piece per tensor when the KV is contiguous; several when the pieces are the received messages.
+KVPieces = list[list[tuple[int, torch.Tensor]]]
+
+
+def pieces_of(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> KVPieces:
+    """Per-layer (keys, values) tensors as KVPieces."""
+    return [[(0, tensor.reshape(-1))] for keys, values in layers for tensor in (keys, values)]
+
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zero-filled, and on the CPU committed lazily: an anonymous mapping's pages cost memory only once written.
@@ -72,17 +82,27 @@ class SlotKVCache(Cache):
                   for _ in range(num_layers)]
         super().__init__(layers=list(layers))
         self.slot_layers = layers
-        self.slots, self.max_len, self.dtype, self.device = slots, max_len, dtype, device
+        self.slots, self.max_len, self.head_dim, self.dtype, self.device = slots, max_len, head_dim, dtype, device
         self.step_rows = torch.empty(0, dtype=torch.long)
         self.step_positions = torch.empty(0, dtype=torch.long)
         self.step_kv_len = 0
 
-    def load(self, slot: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy a transferred prompt KV, per layer (H, T, D) keys and values, into `slot` (a join copies once)."""
-        for layer, (keys, values) in zip(self.slot_layers, kv):
-            length = keys.shape[1]
-            layer.keys[slot, :, :length].copy_(keys)
-            layer.values[slot, :, :length].copy_(values)
+    def load(self, slot: int, kv: KVPieces, length: int) -> None:
+        """Copy a `length`-token prompt's KV into `slot` (a join copies each byte once, casting if need be).
+
+        Within one head, positions 0..length-1 of a slot are contiguous, so a piece goes in as one copy per head
+        it spans."""
+        plane = length * self.head_dim  # elements of one head
+        for index, pieces in enumerate(kv):
+            layer = self.slot_layers[index // 2]
+            target = (layer.keys, layer.values)[index % 2][slot]  # (kv_heads, max_len, head_dim)
+            for start, flat in pieces:
+                done = 0
+                while done < flat.numel():
+                    head, within = divmod(start + done, plane)
+                    count = min(flat.numel() - done, plane - within)
+                    target[head].view(-1)[within : within + count].copy_(flat[done : done + count])
+                    done += count
 
     def move(self, source: int, target: int, length: int) -> None:
         """Move a sequence's first `length` positions to another slot (keeps running sequences packed)."""

@@ -17,6 +17,7 @@ from kv_wire.buffers import Buffer, BufferPool, SegmentMaps
 from kv_wire.layout import WIRE_DTYPES, KVLayout, KVTransferError, TransferState
 from kv_wire.receiver import KVReceiver
 from kv_wire.sender import KVSender
+from model_runner.kv_cache import SlotKVCache
 from model_runner.loading import ModelSpec
 from protos import kv_transfer_pb2 as pb
 
@@ -92,16 +93,23 @@ def test_round_trip_is_bit_exact(
         assert messages[0].header.shm == (transport == "shm")
         sizes = [m.chunk.length if transport == "shm" else len(m.chunk.data) for m in messages[1:-1]]
         assert sum(sizes) == nbytes
-        if transport == "grpc":
-            assert max(sizes) <= chunk
+        if transport == "grpc":  # chunks hold whole elements
+            itemsize = WIRE_DTYPES[dtype].itemsize
+            assert max(sizes) <= max(chunk - chunk % itemsize, itemsize)
         else:  # only descriptors on the wire, one per tensor
             assert all(not m.chunk.data for m in messages[1:-1]) and len(sizes) == 2 * layers
         receiver, received = _decode(spec, messages, tokens, segment)
     assert receiver.state is TransferState.COMPLETE
     assert received.first_token == 7 and received.nbytes == nbytes
-    for (k, v), (k2, v2) in zip(kv, received.layers):
+    for (k, v), (k2, v2) in zip(kv, received.layers()):
         assert torch.equal(k.view(torch.uint8), k2.contiguous().view(torch.uint8))
         assert torch.equal(v.view(torch.uint8), v2.contiguous().view(torch.uint8))
+    # The engine's join copies the pieces (wherever chunks cut the heads) straight into a slot.
+    cache = SlotKVCache(layers, 2, heads, tokens + 3, head_dim, WIRE_DTYPES[dtype], torch.device("cpu"))
+    cache.load(1, received.pieces, tokens)
+    for layer, (k, v) in zip(cache.slot_layers, kv):
+        assert torch.equal(layer.keys[1, :, :tokens], k) and torch.equal(layer.values[1, :, :tokens], v)
+        assert not layer.keys[0].any() and not layer.keys[1, :, tokens:].any()  # nothing written elsewhere
     received.release()
     assert STAGING.held_bytes == 0
 
@@ -161,6 +169,15 @@ def _wrong_trailer(messages: list[pb.KVTransfer], segment: Buffer | None) -> lis
     return messages
 
 
+def _split_element(messages: list[pb.KVTransfer], segment: Buffer | None) -> list[pb.KVTransfer]:
+    """A chunk that ends inside a float32 element."""
+    if segment is None:
+        messages[1].chunk.data = messages[1].chunk.data[:-1]
+    else:
+        messages[1].chunk.length -= 1
+    return messages
+
+
 def _mixed(messages: list[pb.KVTransfer], segment: Buffer | None) -> list[pb.KVTransfer]:
     """A chunk of the other path's kind: data in an shm stream, a length in a gRPC one."""
     if segment is None:
@@ -180,6 +197,7 @@ def _mixed(messages: list[pb.KVTransfer], segment: Buffer | None) -> list[pb.KVT
     (_truncate, grpc.StatusCode.DATA_LOSS),
     (_wrong_trailer, grpc.StatusCode.DATA_LOSS),
     (_mixed, grpc.StatusCode.INVALID_ARGUMENT),
+    (_split_element, grpc.StatusCode.INVALID_ARGUMENT),
 ])
 def test_damaged_stream_is_refused_with_its_status_and_buffer_dropped(damage, code: grpc.StatusCode,
                                                                       transport: str) -> None:
@@ -274,7 +292,7 @@ def test_float32_kv_downcast_on_the_wire_is_marked_and_accepted(wire: str, trans
         assert messages[0].header.dtype == wire
         assert messages[-1].trailer.total_bytes == sum(k.nbytes + v.nbytes for k, v in kv) // 2
         _, received = _decode(SPEC, messages, TOKENS, segment)
-    for (k, _), (k2, _) in zip(kv, received.layers):
+    for (k, _), (k2, _) in zip(kv, received.layers()):
         assert torch.equal(k.to(WIRE_DTYPES[wire]), k2)  # exactly the rounded values; decode casts back on admission
     received.release()
 
