@@ -41,6 +41,7 @@ test-fast: install
 # Benchmarks print a table and write JSON + a plot under bench/results/.
 bench: install
 	$(VENV)/bin/pdserve bench kv
+	$(VENV)/bin/pdserve bench decode
 
 lint: install
 	$(VENV)/bin/ruff check .

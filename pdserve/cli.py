@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> None:
     cluster.add_argument("--prefill-ports", default="", help="comma-separated ports for the prefill workers")
     cluster.add_argument("--decode-ports", default="", help="comma-separated ports for the decode workers")
     cluster.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: cores / workers)")
+    cluster.add_argument("--no-pin", action="store_false", dest="pin",
+                         help="do not give each worker its own cores (by default they are pinned when there are "
+                         "enough: workers x threads <= cores)")
     cluster.add_argument("--prefill-arg", action="append", default=[], metavar="FLAG",
                          help="extra flag for every prefill worker, e.g. --prefill-arg=--chunk-bytes=262144")
     cluster.add_argument("--decode-arg", action="append", default=[], metavar="FLAG",
@@ -61,6 +64,12 @@ def main(argv: list[str] | None = None) -> None:
                                    description=(kv.__doc__ or "").split("\n\n")[0])
     kv.add_args(kv_parser)
     kv_parser.set_defaults(run=lambda args, _parser: kv.run(args))
+    from bench import decode
+
+    decode_parser = benches.add_parser("decode", help="the decode step against its memory-bandwidth floor",
+                                       description=(decode.__doc__ or "").split("\n\n")[0])
+    decode.add_args(decode_parser)
+    decode_parser.set_defaults(run=lambda args, _parser: decode.run(args))
 
     args = parser.parse_args(argv)
     sys.exit(args.run(args, parser))
@@ -78,7 +87,7 @@ def _cluster(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                device=args.device, host=args.host, gateway_port=args.port,
                                prefill_ports=_ports(args.prefill_ports), decode_ports=_ports(args.decode_ports),
                                threads=args.threads, prefill_args=tuple(args.prefill_arg),
-                               decode_args=tuple(args.decode_arg))
+                               decode_args=tuple(args.decode_arg), pin=args.pin)
     except ValueError as exc:
         parser.error(str(exc))
     cluster = start(config)

@@ -33,6 +33,7 @@ class ClusterConfig:
     prefill_args: tuple[str, ...] = ()  # extra flags for every prefill worker
     decode_args: tuple[str, ...] = ()  # extra flags for every decode worker
     startup_timeout_s: float = 300.0
+    pin: bool = True  # give each worker its own cores when there are enough (prefill never steals decode's)
 
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1:
@@ -46,7 +47,16 @@ class ClusterConfig:
 
     @property
     def threads_per_worker(self) -> int:
-        return self.threads or max(1, (os.cpu_count() or 1) // (self.prefill + self.decode))
+        return self.threads or max(1, len(os.sched_getaffinity(0)) // (self.prefill + self.decode))
+
+    def worker_cpus(self) -> list[set[int] | None]:
+        """Cores for each worker, prefill workers first: disjoint sets of `threads_per_worker` cores when the
+        host has enough of them, else None (the scheduler shares them out)."""
+        cores = sorted(os.sched_getaffinity(0))
+        workers, per = self.prefill + self.decode, self.threads_per_worker
+        if not self.pin or workers * per > len(cores):
+            return [None] * workers
+        return [set(cores[i * per : (i + 1) * per]) for i in range(workers)]
 
 
 @dataclass
@@ -54,9 +64,10 @@ class Service:
     role: str
     process: subprocess.Popen
     address: str = ""
+    cpus: set[int] | None = None  # pinned to these cores, or None
 
     def summary(self) -> dict[str, object]:
-        return {"address": self.address, "pid": self.process.pid}
+        return {"address": self.address, "pid": self.process.pid, "cpus": sorted(self.cpus) if self.cpus else None}
 
 
 @dataclass
@@ -108,7 +119,7 @@ def _spawn(role: str, module: str, args: list[str], cpus: set[int] | None = None
 
     process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, text=True,
                                preexec_fn=prepare)
-    return Service(role, process)
+    return Service(role, process, cpus=cpus)
 
 
 def _await_ready(services: list[Service], deadline: float) -> None:
@@ -154,12 +165,14 @@ def start(config: ClusterConfig) -> Cluster:
     worker_flags = ["--host", config.host, "--model", model_dir, "--dtype", config.dtype, "--device", config.device,
                     "--threads", str(config.threads_per_worker)]
     workers: list[Service] = []
+    cpus = iter(config.worker_cpus())
     try:
         for role, count, ports, extra in (("prefill", config.prefill, config.prefill_ports, config.prefill_args),
                                           ("decode", config.decode, config.decode_ports, config.decode_args)):
             for i in range(count):
                 port = ports[i] if ports else 0
-                workers.append(_spawn(role, f"{role}_service", [*worker_flags, *extra, "--port", str(port)]))
+                workers.append(_spawn(role, f"{role}_service", [*worker_flags, *extra, "--port", str(port)],
+                                      next(cpus)))
         _await_ready(workers, deadline)
         prefill = [w for w in workers if w.role == "prefill"]
         decode = [w for w in workers if w.role == "decode"]

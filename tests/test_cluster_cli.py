@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cluster import _await_ready, _spawn, stop_all
+from pdserve.client import generate
+from pdserve.cluster import ClusterConfig, _await_ready, _spawn, stop_all
+from tests.conftest import start_cluster
 
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
 
@@ -86,3 +88,25 @@ def test_gateway_refuses_to_pair_workers_with_different_dtypes(tiny_model_dir: P
 def test_cluster_rejects_bad_flags() -> None:
     result = subprocess.run([*PDSERVE, "cluster", "--prefill", "0"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "--prefill" in result.stderr
+
+
+def test_worker_cores_are_disjoint_when_there_are_enough(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert ClusterConfig(prefill=1, decode=1).worker_cpus() == [{0, 1}, {2, 3}]
+    assert ClusterConfig(prefill=1, decode=2, threads=1).worker_cpus() == [{0}, {1}, {2}]
+    assert ClusterConfig(prefill=2, decode=2, threads=2).worker_cpus() == [None] * 4  # 8 cores wanted, 4 here
+    assert ClusterConfig(prefill=1, decode=1, pin=False).worker_cpus() == [None, None]
+
+
+def test_prefill_and_decode_processes_run_on_their_own_cores(tiny_model_dir: Path) -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    cluster = start_cluster(tiny_model_dir, prefill=1, decode=1)  # one thread each
+    try:
+        pinned = [os.sched_getaffinity(w.process.pid) for w in (*cluster.prefill, *cluster.decode)]
+        if len(cores) >= 2:
+            assert pinned == [{cores[0]}, {cores[1]}]
+        else:  # one core: nothing to separate, the scheduler shares it
+            assert pinned == [set(cores), set(cores)]
+        assert generate(cluster.gateway.address, timeout=30, prompt="Hi", max_tokens=3).finish_reason
+    finally:
+        cluster.stop()
