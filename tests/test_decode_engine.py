@@ -1,0 +1,97 @@
+"""The decode engine in-process: sequences joining and leaving a running batch decode exactly as they do alone."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from decode_service.engine import DecodeEngine, Sequence
+from model_runner import forward
+from model_runner.kv_cache import pieces_of
+from model_runner.loading import LoadedModel, ModelConfig
+from model_runner.sampling import SamplingParams, sample
+
+PROMPTS = [[1, 17, 4242, 99, 7], list(range(300, 340)), [504, 1095, 2208, 314, 3595, 28, 1090, 314, 260, 2632]]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def runner(default_model_dir: Path) -> LoadedModel:
+    """The real model: a random tiny one repeats one token whatever its KV holds, and would hide corruption."""
+    torch.set_num_threads(1)
+    return ModelConfig(model=str(default_model_dir)).load()
+
+
+class _Stream:
+    """One sequence in the engine, with its tokens as they are emitted."""
+
+    def __init__(self, engine: DecodeEngine, runner: LoadedModel, prompt: list[int], sampling: SamplingParams,
+                 name: str, at: dict[int, Callable[[], None]] | None = None) -> None:
+        logits, kv = forward.prefill(runner, prompt)
+        self.tokens = [sample(logits, sampling, position=len(prompt))]
+        self.finish = ""
+        self.progress = threading.Condition()
+        self.at = at or {}  # token count -> hook run on the engine thread, inside the step that reached it
+        self.seq = Sequence(request_id=name, prompt_len=len(prompt), max_tokens=MAX_TOKENS, sampling=sampling,
+                            stop_token_ids=frozenset(), emit=self._emit, tokens=list(self.tokens))
+        engine.submit(self.seq, pieces_of(kv), release=lambda: None)
+
+    def _emit(self, token_ids: list[int], reason: str) -> None:
+        with self.progress:
+            self.tokens += token_ids
+            self.finish = reason
+            self.progress.notify_all()
+        if len(self.tokens) in self.at:
+            self.at.pop(len(self.tokens))()
+
+    def wait_for(self, count: int = 0) -> None:
+        with self.progress:
+            done = self.progress.wait_for(lambda: self.finish or (count and len(self.tokens) >= count), timeout=60)
+        assert done, "the engine stopped emitting"
+
+
+def _alone(runner: LoadedModel, prompt: list[int], sampling: SamplingParams) -> list[int]:
+    engine = DecodeEngine(runner, max_seqs=4)
+    engine.start()
+    try:
+        stream = _Stream(engine, runner, prompt, sampling, "alone")
+        stream.wait_for()
+        return stream.tokens
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=7)],
+                         ids=["greedy", "seeded"])
+def test_joining_and_leaving_a_running_batch_changes_no_sequence_tokens(runner: LoadedModel,
+                                                                        sampling: SamplingParams) -> None:
+    expected = [_alone(runner, prompt, sampling) for prompt in PROMPTS]
+    assert all(len(tokens) == MAX_TOKENS for tokens in expected)
+    engine = DecodeEngine(runner, max_seqs=4)
+    paused, resume = threading.Event(), threading.Event()
+
+    def pause() -> None:  # holds the engine thread between two steps, so the joins land at a known step
+        paused.set()
+        assert resume.wait(30)
+
+    engine.start()
+    try:
+        first = _Stream(engine, runner, PROMPTS[0], sampling, "first", at={4: pause})
+        assert paused.wait(30)  # "first" has decoded alone for 3 steps
+        leaver: _Stream | None = None
+        leaver = _Stream(engine, runner, PROMPTS[1], sampling, "leaver",
+                         at={3: lambda: engine.abort(leaver.seq)})  # type: ignore[union-attr]
+        late = _Stream(engine, runner, PROMPTS[2], sampling, "late")
+        resume.set()  # both join at the next step; the leaver leaves after its third token
+        first.wait_for()
+        late.wait_for()
+    finally:
+        engine.stop()
+    assert first.tokens == expected[0] and first.finish == "length"
+    assert late.tokens == expected[2] and late.finish == "length"
+    assert leaver.tokens == expected[1][:3] and not leaver.finish  # aborted: left without a finish
+    assert engine.live_sequences == 0
