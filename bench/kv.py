@@ -61,6 +61,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="prompt lengths (default: %(default)s)")
     parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
     parser.add_argument("--repeats", type=int, default=7, help="runs per figure; the median is reported")
+    parser.add_argument("--exposed-tokens", type=int, default=HEADLINE_TOKENS,
+                        help="prompt length of the exposed-transfer measurement (default: %(default)s)")
     parser.add_argument("--exposed-repeats", type=int, default=5, help="prefill runs per exposed-time figure")
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                         help="torch threads of the prefill workers (default: %(default)s, as `pdserve cluster`)")
@@ -195,7 +197,7 @@ async def _exposed(stub: decode_pb2_grpc.DecodeStub, decode_address: str, prefil
     "Alone" is the forward time the gRPC-after-the-forward-pass worker reports: its pass runs with no transfer
     work beside it, in a worker process like the others. The variants take turns, round by round.
     """
-    prompt = np.random.default_rng(0).integers(100, model.vocab_size, HEADLINE_TOKENS).tolist()
+    prompt = np.random.default_rng(0).integers(100, model.vocab_size, args.exposed_tokens).tolist()
     runs: dict[str, list[tuple[float, float, str]]] = {name: [] for name in prefills}
     channels = {name: grpc.aio.insecure_channel(service.address) for name, service in prefills.items()}
     try:
@@ -210,7 +212,8 @@ async def _exposed(stub: decode_pb2_grpc.DecodeStub, decode_address: str, prefil
         for channel in channels.values():
             await channel.close()
     alone_s = statistics.median(forward for _, forward, _ in runs["grpc_unstreamed"])
-    result: dict[str, Any] = {"tokens": HEADLINE_TOKENS, "threads": args.threads, "forward_alone_ms": alone_s * 1e3}
+    result: dict[str, Any] = {"tokens": args.exposed_tokens, "threads": args.threads,
+                              "forward_alone_ms": alone_s * 1e3}
     for name, samples in runs.items():
         full_s = statistics.median(full for full, _, _ in samples)
         result[name] = {

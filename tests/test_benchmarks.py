@@ -1,0 +1,35 @@
+"""The benchmarks run end to end and print the JSON the issues specify (tiny sizes: no figure is checked here)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+PDSERVE = [sys.executable, "-m", "pdserve.cli"]
+
+
+def _bench(*args: str) -> dict:
+    done = subprocess.run([*PDSERVE, "bench", *args, "--json"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)  # stdout is exactly one JSON object
+
+
+def test_bench_kv_prints_every_key_and_writes_json_and_plot(tiny_model_dir: Path, tmp_path: Path) -> None:
+    result = _bench("kv", "--model", str(tiny_model_dir), "--tokens", "64,128", "--repeats", "1",
+                    "--exposed-repeats", "1", "--exposed-tokens", "100", "--out", str(tmp_path))
+    for key in ("grpc_gbps", "grpc_ceiling_gbps", "tcp_gbps", "shm_gbps", "memcpy_gbps"):
+        assert result[key] > 0, key
+    assert set(result["cases"]) == {"64", "128"}
+    assert result["exposed"]["shm"]["transport"] == "shm" and result["exposed"]["grpc"]["transport"] == "grpc"
+    assert isinstance(result["exposed_transfer_frac"], float)
+    assert json.loads((tmp_path / "kv.json").read_text())["cases"] == result["cases"]
+    assert (tmp_path / "kv.png").stat().st_size > 0
+
+
+def test_bench_decode_reports_step_and_floor(tiny_model_dir: Path, tmp_path: Path) -> None:
+    result = _bench("decode", "--model", str(tiny_model_dir), "--batch", "2", "--context", "16", "--steps", "2",
+                    "--dtype", "float32", "--out", str(tmp_path))
+    assert result["step_ms"] > 0 and result["floor_ms"] > 0 and result["batch"] == 2
+    assert (tmp_path / "decode.json").exists()
