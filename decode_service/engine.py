@@ -2,6 +2,11 @@
 
 Sequences join between steps once their whole KV arrived, and leave between steps when finished or aborted.
 Running sequences stay packed in slots 0..B-1, so a step is one forward pass over a view of the cache.
+
+Colocated requests bring a prompt instead of KV: the engine prefills it itself, one chunk of at most
+`prefill_chunk` tokens between two decode steps (chunked prefill, as vLLM does by default), so a long prompt
+delays running streams by one chunk at a time, never by its whole forward pass. Its first token is sampled
+here and it joins the batch like any other sequence.
 """
 
 from __future__ import annotations
@@ -12,8 +17,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from model_runner.forward import decode_step
-from model_runner.kv_cache import KVPieces, SlotKVCache
+from transformers import DynamicCache
+
+from model_runner.forward import cached_layers, decode_step, prefill_chunk
+from model_runner.kv_cache import KVPieces, SlotKVCache, pieces_of
 from model_runner.loading import LoadedModel
 from model_runner.sampling import SamplingParams, sample
 
@@ -49,8 +56,18 @@ class Sequence:
         return ""
 
 
+@dataclass
+class _Prefill:
+    """A colocated prompt being prefilled chunk by chunk."""
+
+    seq: Sequence
+    prompt: list[int]
+    cache: DynamicCache = field(default_factory=DynamicCache)
+    done: int = 0  # prompt tokens already in `cache`
+
+
 class DecodeEngine:
-    def __init__(self, runner: LoadedModel, max_seqs: int) -> None:
+    def __init__(self, runner: LoadedModel, max_seqs: int, prefill_chunk: int = 256) -> None:
         spec = runner.spec
         self.runner = runner
         self.max_len = spec.max_model_len
@@ -58,6 +75,8 @@ class DecodeEngine:
                                  runner.model.dtype, runner.device)
         self._running: list[Sequence] = []  # index = slot
         self._joining: collections.deque[tuple[Sequence, KVPieces, Callable[[], None]]] = collections.deque()
+        self._prefilling: collections.deque[_Prefill] = collections.deque()
+        self.prefill_chunk = prefill_chunk
         self._abort_pending = False
         self._wake = threading.Condition()
         self._stopped = False
@@ -80,6 +99,12 @@ class DecodeEngine:
             self._joining.append((seq, kv, release))
             self._wake.notify()
 
+    def submit_prompt(self, seq: Sequence, prompt: list[int]) -> None:
+        """Queue a colocated request: prefill `prompt` here, emit the first token, then decode like the rest."""
+        with self._wake:
+            self._prefilling.append(_Prefill(seq, prompt))
+            self._wake.notify()
+
     def abort(self, seq: Sequence) -> None:
         with self._wake:
             seq.aborted = True
@@ -89,7 +114,7 @@ class DecodeEngine:
     @property
     def live_sequences(self) -> int:
         with self._wake:
-            return len(self._running) + len(self._joining)
+            return len(self._running) + len(self._joining) + len(self._prefilling)
 
     # The engine thread.
     def _loop(self) -> None:
@@ -98,6 +123,7 @@ class DecodeEngine:
                 self._join_and_leave()
                 if self._running:
                     self._step()
+                self._prefill_next_chunk()
             except Exception:  # a broken step must not strand its sequences: fail them and keep serving
                 log.exception("decode step failed; failing %d running sequences", len(self._running))
                 for seq in self._running:
@@ -106,7 +132,7 @@ class DecodeEngine:
 
     def _wait_for_work(self) -> bool:
         with self._wake:
-            while not (self._stopped or self._running or self._joining or self._abort_pending):
+            while not (self._stopped or self._running or self._joining or self._prefilling or self._abort_pending):
                 self._wake.wait()
             return not self._stopped
 
@@ -131,6 +157,39 @@ class DecodeEngine:
                 self._running.append(seq)
             finally:
                 release()
+
+    def _prefill_next_chunk(self) -> None:
+        """One chunk of the oldest colocated prompt; the last chunk samples its first token and it joins."""
+        with self._wake:
+            job = self._prefilling[0] if self._prefilling else None
+        if job is None:
+            return
+        seq = job.seq
+        try:
+            if seq.aborted:
+                self._pop_prefill(job)
+                return
+            chunk = job.prompt[job.done : job.done + self.prefill_chunk]
+            logits = prefill_chunk(self.runner, chunk, job.cache)
+            job.done += len(chunk)
+            if job.done < len(job.prompt):
+                return
+            self._pop_prefill(job)
+            seq.tokens = [sample(logits, seq.sampling, position=len(job.prompt))]
+            reason = seq.finish_reason(self.max_len)
+            seq.emit(seq.tokens[:], reason)
+            if not reason:
+                self.cache.load(len(self._running), pieces_of(cached_layers(job.cache)), seq.prompt_len)
+                self._running.append(seq)
+        except Exception:
+            log.exception("prefilling %s failed", seq.request_id)
+            self._pop_prefill(job)
+            seq.emit([], FAILED)
+
+    def _pop_prefill(self, job: _Prefill) -> None:
+        with self._wake:
+            if self._prefilling and self._prefilling[0] is job:
+                self._prefilling.popleft()
 
     def _step(self) -> None:
         running = self._running

@@ -35,7 +35,7 @@ class DecodeParams:
     max_tokens: int
     sampling: SamplingParams
     ignore_eos: bool
-
+    prompt: tuple[int, ...] = ()  # colocated: the prompt this worker prefills itself
 
 @dataclass(frozen=True)
 class Failure:

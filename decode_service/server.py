@@ -10,6 +10,9 @@ Life of a request here:
 3. The whole KV validated: the sequence joins the engine's continuous batch at the next step.
 4. Each step's token goes out on the Generate stream; eos, max_tokens or the context limit end it.
 5. The Generate call ending for any reason (done, gateway cancel, lease expiry, failure) frees everything.
+
+A colocated request (DecodeRequest.prompt_token_ids) skips steps 2-3: after the reservation, the engine
+prefills the prompt itself in chunks between decode steps, and the first token comes from this worker.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class DecodeConfig:
     lease_s: float = 30.0
     max_chunk_bytes: int = 4 * DEFAULT_CHUNK_BYTES
     kv_shm: bool = True  # lend shared-memory segments, so a prefill worker on this host skips the wire
+    prefill_chunk: int = 256  # colocated prompts: most tokens prefilled between two decode steps
     buffer_keep_mb: float = 1024  # idle transfer buffers kept warm, per kind (staging, segments)
 
     def __post_init__(self) -> None:
@@ -67,6 +71,8 @@ class DecodeConfig:
             raise ValueError(f"--lease {self.lease_s}: must be > 0")
         if not 0 < self.max_chunk_bytes <= MAX_MESSAGE_BYTES // 2:
             raise ValueError(f"--max-chunk-bytes {self.max_chunk_bytes}: must be in (0, {MAX_MESSAGE_BYTES // 2}]")
+        if self.prefill_chunk < 1:
+            raise ValueError(f"--prefill-chunk {self.prefill_chunk}: must be >= 1")
         if self.buffer_keep_mb < 0:
             raise ValueError(f"--kv-buffer-keep-mb {self.buffer_keep_mb}: must be >= 0")
 
@@ -74,7 +80,7 @@ class DecodeConfig:
     def from_args(cls, args: argparse.Namespace) -> DecodeConfig:
         return cls(server=server_config(args), model=model_config(args), max_seqs=args.max_seqs,
                    kv_budget_mb=args.kv_budget_mb, lease_s=args.lease_s, max_chunk_bytes=args.max_chunk_bytes,
-                   kv_shm=args.kv_shm, buffer_keep_mb=args.buffer_keep_mb)
+                   kv_shm=args.kv_shm, buffer_keep_mb=args.buffer_keep_mb, prefill_chunk=args.prefill_chunk)
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
@@ -90,6 +96,9 @@ class DecodeConfig:
                            help="largest KV chunk accepted (default: %(default)s)")
         group.add_argument("--no-kv-shm", action="store_false", dest="kv_shm",
                            help="lend no shared-memory segments: every KV byte comes over gRPC")
+        group.add_argument("--prefill-chunk", type=int, default=256,
+                           help="colocated prompts: most tokens prefilled between two decode steps "
+                           "(default: %(default)s)")
         group.add_argument("--kv-buffer-keep-mb", type=float, default=1024, dest="buffer_keep_mb",
                            help="idle KV transfer buffers kept warm, per kind (default: %(default)s)")
 
@@ -99,7 +108,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         spec = runner.spec
         self.config = config
         self.spec = spec
-        self.engine = DecodeEngine(runner, config.max_seqs)
+        self.engine = DecodeEngine(runner, config.max_seqs, config.prefill_chunk)
         full = config.max_seqs * spec.max_model_len * spec.kv_bytes_per_token
         budget = int(config.kv_budget_mb * (1 << 20)) if config.kv_budget_mb else full
         self.table = ReservationTable(config.max_seqs, budget, spec.kv_bytes_per_token, config.lease_s)
@@ -116,7 +125,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         except CapacityExhausted as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker full: {exc}")
         try:
-            await self._lend_segment(reservation)
+            if params.prompt:  # colocated: prefilled here, no KV to wait for
+                reservation.phase = Phase.ADMITTED
+                reservation.sequence = self._sequence(reservation, tokens=[])
+                self.engine.submit_prompt(reservation.sequence, list(params.prompt))
+            else:
+                await self._lend_segment(reservation)
             lease_ms = int(self.config.lease_s * 1000)
             yield decode_pb2.DecodeEvent(reserved=decode_pb2.Reservation(
                 token=reservation.token, lease_ms=lease_ms,
@@ -256,6 +270,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if reservation.phase is not Phase.TRANSFERRING:  # released while the last chunk was checked
             received.release()
             return
+        reservation.phase = Phase.ADMITTED
+        reservation.sequence = self._sequence(reservation, tokens=[received.first_token])
+        self.engine.submit(reservation.sequence, received.pieces, received.release)
+
+    def _sequence(self, reservation: Reservation, tokens: list[int]) -> Sequence:
+        """The engine's view of a reservation; its tokens stream back through the reservation's events."""
         params = reservation.params
         loop = asyncio.get_running_loop()
         events = reservation.events
@@ -263,18 +283,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         def emit(token_ids: list[int], reason: str) -> None:  # engine thread -> this loop
             loop.call_soon_threadsafe(events.put_nowait, (token_ids, reason))
 
-        seq = Sequence(
+        return Sequence(
             request_id=params.request_id,
             prompt_len=params.prompt_tokens,
             max_tokens=params.max_tokens,
             sampling=params.sampling,
             stop_token_ids=frozenset() if params.ignore_eos else frozenset(self.spec.eos_token_ids),
             emit=emit,
-            tokens=[received.first_token],
+            tokens=tokens,
         )
-        reservation.phase = Phase.ADMITTED
-        reservation.sequence = seq
-        self.engine.submit(seq, received.pieces, received.release)
 
     async def GetInfo(
         self, request: worker_pb2.WorkerInfoRequest, context: grpc.aio.ServicerContext
@@ -303,6 +320,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             problem = "max_tokens must be >= 1"
         elif request.prompt_tokens + request.max_tokens > limit:
             problem = f"prompt_tokens + max_tokens = {request.prompt_tokens + request.max_tokens} exceeds {limit}"
+        elif request.prompt_token_ids and len(request.prompt_token_ids) != request.prompt_tokens:
+            problem = (f"prompt_token_ids holds {len(request.prompt_token_ids)} tokens, prompt_tokens says "
+                       f"{request.prompt_tokens}")
+        elif request.prompt_token_ids and max(request.prompt_token_ids) >= self.spec.vocab_size:
+            problem = (f"prompt_token_ids: {max(request.prompt_token_ids)} is outside the vocabulary "
+                       f"(size {self.spec.vocab_size})")
         try:
             sampling = sampling_from_pb(request.sampling)
         except ValueError as exc:
@@ -310,7 +333,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         return DecodeParams(request.request_id, request.prompt_tokens, request.max_tokens, sampling,
-                            request.ignore_eos)
+                            request.ignore_eos, tuple(request.prompt_token_ids))
 
 
 def _loop_time(monotonic_deadline: float) -> float:

@@ -52,12 +52,15 @@ def _hop_error(exc: grpc.aio.AioRpcError, hop: str, worker: Worker) -> GatewayEr
 
 
 async def reserve(
-    params: GenerateParams, pool: Pool, rpc_timeout: float | None
+    params: GenerateParams, pool: Pool, rpc_timeout: float | None, colocated: bool = False
 ) -> tuple[Worker, grpc.aio.UnaryStreamCall, decode_pb2.Reservation]:
-    """Open a Generate call on the first decode worker with room; its first event is the reservation."""
+    """Open a Generate call on the first decode worker with room; its first event is the reservation.
+
+    Colocated, the call carries the prompt and the decode worker prefills it itself."""
     request = decode_pb2.DecodeRequest(
         request_id=params.request_id, prompt_tokens=len(params.prompt_ids), max_tokens=params.max_tokens,
-        sampling=sampling_to_pb(params.sampling), ignore_eos=params.ignore_eos)
+        sampling=sampling_to_pb(params.sampling), ignore_eos=params.ignore_eos,
+        prompt_token_ids=params.prompt_ids if colocated else [])
     refusals = []
     for worker in pool.in_turn():
         call = worker.stub.Generate(request, timeout=rpc_timeout)
@@ -80,11 +83,23 @@ async def reserve(
 
 
 async def run(
-    params: GenerateParams, prefill: Pool, decode: Pool, timings: Timings, rpc_timeout: float | None
+    params: GenerateParams, prefill: Pool, decode: Pool, timings: Timings, rpc_timeout: float | None,
+    colocated: bool = False,
 ) -> AsyncGenerator[Tokens, None]:
+    """The request's tokens. Colocated, one decode worker does both phases: no prefill call, no KV transfer."""
     started = time.perf_counter()
-    decode_worker, decode_call, reservation = await reserve(params, decode, rpc_timeout)
+    decode_worker, decode_call, reservation = await reserve(params, decode, rpc_timeout, colocated)
     timings.reserve_ms = (time.perf_counter() - started) * 1e3
+    if colocated:
+        timings.kv_transport = "colocated"
+        try:
+            async for tokens in _decoded(decode_call, decode_worker, None, timings):
+                yield tokens
+                if tokens.finish_reason:
+                    break
+        finally:
+            decode_call.cancel()
+        return
     prefill_worker = prefill.in_turn()[0]
     prefill_call = prefill_worker.stub.Prefill(prefill_pb2.PrefillRequest(
         request_id=params.request_id, token_ids=params.prompt_ids, sampling=sampling_to_pb(params.sampling),
@@ -97,7 +112,7 @@ async def run(
         yield Tokens([first.first_token.token_id])
         transfer = asyncio.ensure_future(_prefill_event(prefill_call, prefill_worker, "transfer_done"))
         async for tokens in _decoded(decode_call, decode_worker, transfer, timings, decode_read):
-            if tokens.finish_reason and not transfer.done():
+            if tokens.finish_reason and transfer is not None and not transfer.done():
                 # The last response carries the timing. Decode finished, so it acknowledged the KV and prefill's
                 # report is on its way: wait for it briefly (a busy prefill worker's event loop can lag).
                 await asyncio.wait([transfer], timeout=1.0)
@@ -151,15 +166,15 @@ def _record_transfer(timings: Timings, event: prefill_pb2.PrefillEvent) -> None:
 
 
 async def _decoded(
-    call: grpc.aio.UnaryStreamCall, worker: Worker, transfer: asyncio.Future, timings: Timings,
+    call: grpc.aio.UnaryStreamCall, worker: Worker, transfer: asyncio.Future | None, timings: Timings,
     read: asyncio.Future | None = None,
 ) -> AsyncIterator[Tokens]:
     """Decode's token events; while the KV transfer is still open, a prefill failure ends the stream at once.
 
-    `read` is a call.read() already under way."""
+    `read` is a call.read() already under way; `transfer` is None for a colocated request."""
     while True:
         read = read or asyncio.ensure_future(call.read())
-        if not transfer.done():
+        if transfer is not None and not transfer.done():
             await asyncio.wait([read, transfer], return_when=asyncio.FIRST_COMPLETED)
             if transfer.done() and transfer.exception() is not None:
                 read.cancel()

@@ -39,10 +39,13 @@ class GatewayConfig:
     decode: list[str] = field(default_factory=list)
     model: str = DEFAULT_MODEL  # for the tokenizer; must be the model the workers serve
     startup_timeout_s: float = 300.0
+    colocate_below: int = 0  # prompts shorter than this are prefilled by the decode worker itself
 
     def __post_init__(self) -> None:
-        if not self.prefill or not self.decode:
-            raise ValueError("at least one --prefill and one --decode worker address are required")
+        if not self.decode:
+            raise ValueError("at least one --decode worker address is required")
+        if self.colocate_below < 0:
+            raise ValueError(f"--colocate-below {self.colocate_below}: must be >= 0")
         for address in self.prefill + self.decode:
             host, _, port = address.rpartition(":")
             if not host or not port.isdigit():
@@ -51,17 +54,21 @@ class GatewayConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> GatewayConfig:
         return cls(server=server_config(args), prefill=_split(args.prefill), decode=_split(args.decode),
-                   model=args.model, startup_timeout_s=args.startup_timeout_s)
+                   model=args.model, startup_timeout_s=args.startup_timeout_s, colocate_below=args.colocate_below)
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
         add_server_args(parser)
         group = parser.add_argument_group("gateway")
         group.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",
-                           help="prefill worker address (repeat, or comma-separate)")
+                           help="prefill worker address (repeat, or comma-separate); none: every request is "
+                           "colocated (decode workers prefill it themselves)")
         group.add_argument("--decode", action="append", default=[], metavar="HOST:PORT",
                            help="decode worker address (repeat, or comma-separate)")
         group.add_argument("--model", default=DEFAULT_MODEL, help="model directory whose tokenizer to use")
+        group.add_argument("--colocate-below", type=int, default=0, metavar="TOKENS",
+                           help="prompts shorter than this go to a decode worker that prefills them itself "
+                           "(conditional disaggregation; default: %(default)s, never)")
         group.add_argument("--startup-timeout", type=float, default=300.0, dest="startup_timeout_s",
                            help="seconds to wait for every worker to answer (default: %(default)s)")
 
@@ -71,11 +78,13 @@ def _split(values: list[str]) -> list[str]:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, tokenizer: object, model: worker_pb2.ModelInfo, prefill: Pool, decode: Pool) -> None:
+    def __init__(self, tokenizer: object, model: worker_pb2.ModelInfo, prefill: Pool, decode: Pool,
+                 colocate_below: int = 0) -> None:
         self.tokenizer = tokenizer
         self.model = model
         self.prefill = prefill
         self.decode = decode
+        self.colocate_below = colocate_below
         self._in_flight: set[str] = set()
 
     async def Generate(
@@ -109,7 +118,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         first_at = 0.0
         finish = ""
         # aclosing: a stop string ends the loop early, and the journey must cancel its worker calls right then
-        async with contextlib.aclosing(journey.run(params, self.prefill, self.decode, timings, rpc_timeout)) as pieces:
+        colocated = not self.prefill.workers or len(params.prompt_ids) < self.colocate_below
+        journey_ = journey.run(params, self.prefill, self.decode, timings, rpc_timeout, colocated)
+        async with contextlib.aclosing(journey_) as pieces:
             async for tokens in pieces:
                 generated += len(tokens.token_ids)
                 text, stopped = stops.feed(detokenizer.add(tokens.token_ids))
@@ -146,7 +157,7 @@ async def serve(config: GatewayConfig) -> None:
     prefill, decode = Pool("prefill", config.prefill), Pool("decode", config.decode)
     await asyncio.gather(prefill.fetch_info(config.startup_timeout_s), decode.fetch_info(config.startup_timeout_s))
     model = check_pairing(prefill, decode)
-    servicer = GatewayServicer(tokenizer, model, prefill, decode)
+    servicer = GatewayServicer(tokenizer, model, prefill, decode, config.colocate_below)
 
     def register(server: grpc.aio.Server) -> list[str]:
         gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)

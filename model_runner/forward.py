@@ -42,8 +42,24 @@ def prefill(
     input_ids = torch.tensor([token_ids], dtype=torch.long, device=runner.device)
     cache = _LayerWatchingCache(on_layer) if on_layer else DynamicCache()
     out = runner.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    kv = [(layer.keys[0], layer.values[0]) for layer in cache.layers]  # type: ignore[union-attr,index]
-    return out.logits[0, -1], kv
+    return out.logits[0, -1], cached_layers(cache)
+
+
+@torch.inference_mode()
+def prefill_chunk(runner: LoadedModel, token_ids: list[int], cache: DynamicCache) -> torch.Tensor:
+    """Continue a prompt's prefill with the next `token_ids`, after the tokens `cache` already holds; returns
+    the last position's logits (vocab,). Chunked prefill: a long prompt runs as several bounded passes."""
+    start = cache.get_seq_length()
+    positions = torch.arange(start, start + len(token_ids), device=runner.device)[None]
+    input_ids = torch.tensor([token_ids], dtype=torch.long, device=runner.device)
+    out = runner.model(input_ids=input_ids, position_ids=positions, past_key_values=cache, use_cache=True,
+                       logits_to_keep=1)
+    return out.logits[0, -1]
+
+
+def cached_layers(cache: DynamicCache) -> list[LayerKV]:
+    """A batch-of-one DynamicCache's KV, per layer."""
+    return [(layer.keys[0], layer.values[0]) for layer in cache.layers]  # type: ignore[union-attr,index]
 
 
 @torch.inference_mode()

@@ -22,7 +22,8 @@ def main(argv: list[str] | None = None) -> None:
                                   description="Start a gateway, --prefill N and --decode M workers as local processes, "
                                   "wait until all are healthy, print one JSON line with their addresses and pids, "
                                   "and serve until SIGINT/SIGTERM.")
-    cluster.add_argument("--prefill", type=int, default=1, help="prefill workers (default: %(default)s)")
+    cluster.add_argument("--prefill", type=int, default=1,
+                         help="prefill workers (default: %(default)s); 0 = colocated: decode workers prefill too")
     cluster.add_argument("--decode", type=int, default=1, help="decode workers (default: %(default)s)")
     cluster.add_argument("--model", default=DEFAULT_MODEL, help="model directory or %(default)r")
     cluster.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
@@ -32,6 +33,8 @@ def main(argv: list[str] | None = None) -> None:
     cluster.add_argument("--prefill-ports", default="", help="comma-separated ports for the prefill workers")
     cluster.add_argument("--decode-ports", default="", help="comma-separated ports for the decode workers")
     cluster.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: cores / workers)")
+    cluster.add_argument("--colocate-below", type=int, default=0, metavar="TOKENS",
+                         help="prompts shorter than this are prefilled by a decode worker itself (default: never)")
     cluster.add_argument("--no-pin", action="store_false", dest="pin",
                          help="do not give each worker its own cores (by default they are pinned when there are "
                          "enough: workers x threads <= cores)")
@@ -87,7 +90,8 @@ def _cluster(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                device=args.device, host=args.host, gateway_port=args.port,
                                prefill_ports=_ports(args.prefill_ports), decode_ports=_ports(args.decode_ports),
                                threads=args.threads, prefill_args=tuple(args.prefill_arg),
-                               decode_args=tuple(args.decode_arg), pin=args.pin)
+                               decode_args=tuple(args.decode_arg), pin=args.pin,
+                               colocate_below=args.colocate_below)
     except ValueError as exc:
         parser.error(str(exc))
     cluster = start(config)

@@ -34,10 +34,11 @@ class ClusterConfig:
     decode_args: tuple[str, ...] = ()  # extra flags for every decode worker
     startup_timeout_s: float = 300.0
     pin: bool = True  # give each worker its own cores when there are enough (prefill never steals decode's)
+    colocate_below: int = 0  # the gateway sends prompts shorter than this to decode workers that prefill them
 
     def __post_init__(self) -> None:
-        if self.prefill < 1 or self.decode < 1:
-            raise ValueError("--prefill and --decode must be >= 1")
+        if self.prefill < 0 or self.decode < 1:
+            raise ValueError("--prefill must be >= 0 (0: colocated) and --decode >= 1")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r}: expected one of {sorted(DTYPES)}")
         for name, ports, count in (("prefill", self.prefill_ports, self.prefill),
@@ -176,7 +177,8 @@ def start(config: ClusterConfig) -> Cluster:
         _await_ready(workers, deadline)
         prefill = [w for w in workers if w.role == "prefill"]
         decode = [w for w in workers if w.role == "decode"]
-        gateway_args = ["--host", config.host, "--port", str(config.gateway_port), "--model", model_dir]
+        gateway_args = ["--host", config.host, "--port", str(config.gateway_port), "--model", model_dir,
+                        "--colocate-below", str(config.colocate_below)]
         gateway_args += [f"--prefill={w.address}" for w in prefill] + [f"--decode={w.address}" for w in decode]
         gateway = _spawn("gateway", "gateway", gateway_args)
         workers.append(gateway)

@@ -48,9 +48,10 @@ def _tiny_llama(tokenizer_dir: Path, path: Path, layers: int) -> Path:
 
 
 def start_cluster(model_dir: Path, prefill: int = 1, decode: int = 1, decode_args: tuple[str, ...] = (),
-                  prefill_args: tuple[str, ...] = ()) -> Cluster:
+                  prefill_args: tuple[str, ...] = (), colocate_below: int = 0) -> Cluster:
     return start(ClusterConfig(prefill=prefill, decode=decode, model=str(model_dir), threads=1,
-                               decode_args=decode_args, prefill_args=prefill_args, startup_timeout_s=180))
+                               decode_args=decode_args, prefill_args=prefill_args, startup_timeout_s=180,
+                               colocate_below=colocate_below))
 
 
 @pytest.fixture(scope="session")

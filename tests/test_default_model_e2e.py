@@ -1,4 +1,4 @@
-"""The real default model (SmolLM2-135M-Instruct) through the disaggregated path, against Hugging Face generate."""
+"""The real default model (SmolLM2-135M-Instruct), disaggregated and colocated, against Hugging Face generate."""
 
 from __future__ import annotations
 
@@ -22,9 +22,12 @@ PROMPTS = [
 ]
 
 
-def test_default_model_greedy_matches_hugging_face_concurrently(default_model_dir: Path) -> None:
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_default_model_greedy_matches_hugging_face_concurrently(default_model_dir: Path, mode: str) -> None:
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
-    cluster = start_cluster(default_model_dir)
+    # Colocated: the decode worker prefills in chunks of 16 tokens, so the long prompts take several chunks.
+    cluster = (start_cluster(default_model_dir) if mode == "disaggregated" else
+               start_cluster(default_model_dir, prefill=0, decode_args=("--prefill-chunk=16",)))
     try:
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             completions = list(pool.map(lambda p: generate(cluster.gateway.address, timeout=300, prompt=p,
