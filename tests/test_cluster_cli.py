@@ -85,9 +85,10 @@ def test_gateway_refuses_to_pair_workers_with_different_dtypes(tiny_model_dir: P
         stop_all(workers, grace_s=10)
 
 
-def test_cluster_rejects_bad_flags() -> None:
-    result = subprocess.run([*PDSERVE, "cluster", "--prefill", "0"], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and "--prefill" in result.stderr
+@pytest.mark.parametrize("flags", [["--prefill", "-1"], ["--decode", "0"], ["--prefill-ports", "1,2"]])
+def test_cluster_rejects_bad_flags(flags: list[str]) -> None:
+    result = subprocess.run([*PDSERVE, "cluster", *flags], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and flags[0] in result.stderr
 
 
 def test_worker_cores_are_disjoint_when_there_are_enough(monkeypatch: pytest.MonkeyPatch) -> None:
