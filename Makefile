@@ -42,6 +42,7 @@ test-fast: install
 bench: install
 	$(VENV)/bin/pdserve bench kv
 	$(VENV)/bin/pdserve bench decode
+	$(VENV)/bin/pdserve bench scenarios
 
 lint: install
 	$(VENV)/bin/ruff check .

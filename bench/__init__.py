@@ -1,1 +1,3 @@
-"""Benchmarks: `pdserve bench kv` (the KV handoff against its ceilings)."""
+"""Benchmarks: `pdserve bench kv` (the KV handoff against its ceilings), `pdserve bench decode` (the decode step
+against its memory-bandwidth floor), `pdserve bench scenarios` (six workloads, colocated against
+disaggregated)."""

@@ -73,6 +73,12 @@ def main(argv: list[str] | None = None) -> None:
                                        description=(decode.__doc__ or "").split("\n\n")[0])
     decode.add_args(decode_parser)
     decode_parser.set_defaults(run=lambda args, _parser: decode.run(args))
+    from bench import scenarios
+
+    scenarios_parser = benches.add_parser("scenarios", help="six workloads, colocated against disaggregated",
+                                          description=(scenarios.__doc__ or "").split("\n\n")[0])
+    scenarios.add_args(scenarios_parser)
+    scenarios_parser.set_defaults(run=lambda args, _parser: scenarios.run(args))
 
     args = parser.parse_args(argv)
     sys.exit(args.run(args, parser))

@@ -33,3 +33,18 @@ def test_bench_decode_reports_step_and_floor(tiny_model_dir: Path, tmp_path: Pat
                     "--dtype", "float32", "--out", str(tmp_path))
     assert result["step_ms"] > 0 and result["floor_ms"] > 0 and result["batch"] == 2
     assert (tmp_path / "decode.json").exists()
+
+
+def test_bench_scenarios_runs_both_modes_and_prints_the_metrics(tiny_model_dir: Path, tmp_path: Path) -> None:
+    result = _bench("scenarios", "--model", str(tiny_model_dir), "--scenarios", "smoke,batch_pressure",
+                    "--scale", "0.05", "--out", str(tmp_path))
+    assert set(result) == {"smoke", "batch_pressure"}
+    for modes in result.values():
+        assert set(modes) == {"colocated", "disaggregated"}
+        for m in modes.values():
+            for key in ("wall_s", "gen_tok_per_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "itl_max"):
+                assert m[key] >= 0, key
+    # batch_pressure sends 12 requests at once at 8 decode slots: the refused ones retry and all finish
+    assert result["batch_pressure"]["disaggregated"]["requests"] == 12
+    assert result["batch_pressure"]["disaggregated"]["generated_tokens"] == 12 * 2
+    assert (tmp_path / "scenarios.png").stat().st_size > 0
