@@ -43,6 +43,7 @@ bench: install
 	$(VENV)/bin/pdserve bench kv
 	$(VENV)/bin/pdserve bench decode
 	$(VENV)/bin/pdserve bench scenarios
+	$(VENV)/bin/pdserve bench interference
 
 lint: install
 	$(VENV)/bin/ruff check .

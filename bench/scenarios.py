@@ -43,29 +43,29 @@ class Request:
 
 
 def _smoke(scale: float) -> list[Request]:
-    return [Request(i * 1.0, _n(128, scale), _n(32, scale)) for i in range(4)]
+    return [Request(i * 1.0, scaled(128, scale), scaled(32, scale)) for i in range(4)]
 
 
 def _staggered(scale: float) -> list[Request]:
-    return [Request(i * 0.75, _n(192 + 96 * (i % 4), scale), _n(48, scale)) for i in range(8)]
+    return [Request(i * 0.75, scaled(192 + 96 * (i % 4), scale), scaled(48, scale)) for i in range(8)]
 
 
 def _long_prompts(scale: float) -> list[Request]:
-    chats = [Request(0.2 * i, _n(64, scale), _n(96, scale)) for i in range(3)]
-    documents = [Request(1.0 + 3.0 * i, _n(1500, scale), _n(16, scale)) for i in range(3)]
+    chats = [Request(0.2 * i, scaled(64, scale), scaled(96, scale)) for i in range(3)]
+    documents = [Request(1.0 + 3.0 * i, scaled(1500, scale), scaled(16, scale)) for i in range(3)]
     return sorted(chats + documents, key=lambda r: r.at_s)
 
 
 def _long_decode(scale: float) -> list[Request]:
-    return [Request(0.25 * i, _n(96, scale), _n(256, scale)) for i in range(4)]
+    return [Request(0.25 * i, scaled(96, scale), scaled(256, scale)) for i in range(4)]
 
 
 def _stress(scale: float) -> list[Request]:
-    return [Request(0.05 * i, _n(64 + 48 * (i % 8), scale), _n(64, scale)) for i in range(16)]
+    return [Request(0.05 * i, scaled(64 + 48 * (i % 8), scale), scaled(64, scale)) for i in range(16)]
 
 
 def _batch_pressure(scale: float) -> list[Request]:
-    return [Request(0.0, _n(160, scale), _n(48, scale)) for _ in range(12)]  # 12 requests, 8 decode slots
+    return [Request(0.0, scaled(160, scale), scaled(48, scale)) for _ in range(12)]  # 12 requests, 8 decode slots
 
 
 SCENARIOS: dict[str, Callable[[float], list[Request]]] = {
@@ -74,7 +74,7 @@ SCENARIOS: dict[str, Callable[[float], list[Request]]] = {
 }
 
 
-def _n(tokens: int, scale: float) -> int:
+def scaled(tokens: int, scale: float) -> int:
     return max(2, round(tokens * scale))
 
 
@@ -103,8 +103,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             for name in names:
                 requests = SCENARIOS[name](args.scale)
-                records = asyncio.run(_drive(cluster.gateway.address, requests))
-                results[name][mode] = _metrics(records)
+                records = asyncio.run(drive(cluster.gateway.address, requests))
+                results[name][mode] = metrics(records)
                 timelines[name][mode] = [r.token_times for r in records]
                 print(f"bench scenarios: {name} ({mode}) done in {results[name][mode]['wall_s']:.1f} s",
                       file=sys.stderr, flush=True)
@@ -115,32 +115,32 @@ def run(args: argparse.Namespace) -> int:
     document = {"machine": {"cores": len(os.sched_getaffinity(0))}, "scale": args.scale, "max_seqs": args.max_seqs,
                 "prefill_chunk": args.prefill_chunk, "scenarios": results}
     (out / "scenarios.json").write_text(json.dumps(document, indent=2) + "\n")
-    _plot(results, timelines, out / "scenarios.png")
+    plot(results, timelines, out / "scenarios.png")
     print(json.dumps(results) if args.json else _table(results))
     return 0
 
 
 @dataclass
-class _Record:
+class Record:
     request: Request
     sent: float = 0.0
     token_times: list[float] = field(default_factory=list)  # seconds after `sent`, one per token
 
 
-async def _drive(address: str, requests: list[Request]) -> list[_Record]:
+async def drive(address: str, requests: list[Request]) -> list[Record]:
     """Send every request at its arrival time and record when each of its tokens came back."""
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, 40000, r.prompt_tokens).tolist() for r in requests]
     async with grpc.aio.insecure_channel(address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
-        await _one(stub, _Record(Request(0, 8, 2)), [1] * 8, time.perf_counter())  # warm-up
+        await _one(stub, Record(Request(0, 8, 2)), [1] * 8, time.perf_counter())  # warm-up
         started = time.perf_counter()
-        records = [_Record(r) for r in requests]
+        records = [Record(r) for r in requests]
         await asyncio.gather(*(_one(stub, record, prompt, started) for record, prompt in zip(records, prompts)))
     return records
 
 
-async def _one(stub: gateway_pb2_grpc.GatewayStub, record: _Record, prompt: list[int], started: float) -> None:
+async def _one(stub: gateway_pb2_grpc.GatewayStub, record: Record, prompt: list[int], started: float) -> None:
     await asyncio.sleep(max(0.0, started + record.request.at_s - time.perf_counter()))
     record.sent = time.perf_counter()
     request = gateway_pb2.GenerateRequest(token_ids=prompt, max_tokens=record.request.max_tokens, temperature=0.0,
@@ -159,7 +159,7 @@ async def _one(stub: gateway_pb2_grpc.GatewayStub, record: _Record, prompt: list
             await asyncio.sleep(0.05)
 
 
-def _metrics(records: list[_Record]) -> dict[str, float]:
+def metrics(records: list[Record]) -> dict[str, float]:
     ttfts = [r.token_times[0] for r in records]
     latencies = [r.token_times[-1] for r in records]
     itls = [b - a for r in records for a, b in zip(r.token_times, r.token_times[1:])]
@@ -168,14 +168,14 @@ def _metrics(records: list[_Record]) -> dict[str, float]:
     generated = sum(len(r.token_times) for r in records)
     return {
         "wall_s": wall, "gen_tok_per_s": generated / wall, "requests": len(records), "generated_tokens": generated,
-        "ttft_mean": statistics.fmean(ttfts), "ttft_p50": _pct(ttfts, 50), "ttft_p99": _pct(ttfts, 99),
-        "latency_mean": statistics.fmean(latencies), "latency_p50": _pct(latencies, 50),
-        "latency_p99": _pct(latencies, 99),
-        "itl_p50": _pct(itls, 50), "itl_p99": _pct(itls, 99), "itl_max": max(itls, default=0.0),
+        "ttft_mean": statistics.fmean(ttfts), "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
+        "latency_mean": statistics.fmean(latencies), "latency_p50": percentile(latencies, 50),
+        "latency_p99": percentile(latencies, 99),
+        "itl_p50": percentile(itls, 50), "itl_p99": percentile(itls, 99), "itl_max": max(itls, default=0.0),
     }
 
 
-def _pct(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else 0.0
 
 
@@ -190,7 +190,7 @@ def _table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _plot(results: dict[str, dict[str, Any]], timelines: dict[str, dict[str, list[list[float]]]],
+def plot(results: dict[str, dict[str, Any]], timelines: dict[str, dict[str, list[list[float]]]],
           path: Path) -> None:
     """Per scenario: the TTFT CDF of both modes (top) and every token's arrival, request by request (bottom)."""
     import matplotlib

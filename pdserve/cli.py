@@ -79,6 +79,12 @@ def main(argv: list[str] | None = None) -> None:
                                           description=(scenarios.__doc__ or "").split("\n\n")[0])
     scenarios.add_args(scenarios_parser)
     scenarios_parser.set_defaults(run=lambda args, _parser: scenarios.run(args))
+    from bench import interference
+
+    interference_parser = benches.add_parser("interference", help="chat streams while long documents arrive",
+                                             description=(interference.__doc__ or "").split("\n\n")[0])
+    interference.add_args(interference_parser)
+    interference_parser.set_defaults(run=lambda args, _parser: interference.run(args))
 
     args = parser.parse_args(argv)
     sys.exit(args.run(args, parser))

@@ -48,3 +48,15 @@ def test_bench_scenarios_runs_both_modes_and_prints_the_metrics(tiny_model_dir: 
     assert result["batch_pressure"]["disaggregated"]["requests"] == 12
     assert result["batch_pressure"]["disaggregated"]["generated_tokens"] == 12 * 2
     assert (tmp_path / "scenarios.png").stat().st_size > 0
+
+
+def test_bench_interference_reports_chats_documents_and_goodput(tiny_model_dir: Path, tmp_path: Path) -> None:
+    result = _bench("interference", "--model", str(tiny_model_dir), "--duration", "4", "--chat-every", "1",
+                    "--doc-every", "2", "--doc-tokens", "200", "--scale", "0.2", "--out", str(tmp_path))
+    assert set(result) == {"colocated", "disaggregated"}
+    for m in result.values():
+        for key in ("wall_s", "gen_tok_per_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "itl_max", "goodput",
+                    "doc_ttft_p50"):
+            assert m[key] >= 0, key
+        assert m["chats"] == 4 and 0 <= m["chats_within_slo"] <= 4 and m["slo"] == {"ttft_s": 2.0, "tpot_s": 0.2}
+    assert (tmp_path / "interference.png").stat().st_size > 0

@@ -1,0 +1,94 @@
+"""`pdserve bench interference`: steady chat streams while long documents arrive, colocated against disaggregated.
+
+Short chat requests arrive at a steady rate. Every few seconds, a ~1,500-token document prompt arrives too.
+Colocated, each document is prefilled between the chats' decode steps and stalls them. Disaggregated, it runs
+on the prefill worker. Per mode this reports the chats' ITL (p50, p99, max) and TTFT (p50, p99), the
+documents' TTFT, throughput, and goodput: chat requests per second that met both SLOs (TTFT and time per
+output token), which are reported with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench.scenarios import MODES, Request, drive, metrics, percentile, plot, scaled
+from model_runner.loading import DEFAULT_MODEL, resolve_model
+from pdserve.cluster import ClusterConfig, start
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals (default: %(default)s)")
+    parser.add_argument("--chat-every", type=float, default=1.5, help="seconds between chat arrivals")
+    parser.add_argument("--doc-every", type=float, default=8.0, help="seconds between document arrivals")
+    parser.add_argument("--doc-tokens", type=int, default=1500, help="document prompt length")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply every prompt and output length")
+    parser.add_argument("--slo-ttft", type=float, default=2.0, help="chat TTFT SLO, seconds (default: 2.0)")
+    parser.add_argument("--slo-tpot", type=float, default=0.2,
+                        help="chat time per output token SLO, seconds (default: 0.2)")
+    parser.add_argument("--prefill-chunk", type=int, default=256, help="colocated chunk size (default: 256)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--out", default="bench/results", help="directory for interference.json and .png")
+
+
+def workload(args: argparse.Namespace) -> tuple[list[Request], list[bool]]:
+    """The requests in arrival order, and which of them are chats."""
+    chats = [Request(t * args.chat_every, scaled(64, args.scale), scaled(48, args.scale))
+             for t in range(int(args.duration / args.chat_every))]
+    docs = [Request(2.0 + t * args.doc_every, scaled(args.doc_tokens, args.scale), scaled(8, args.scale))
+            for t in range(int((args.duration - 2.0) / args.doc_every) + 1)]
+    tagged = sorted([(r, True) for r in chats] + [(r, False) for r in docs], key=lambda pair: pair[0].at_s)
+    return [r for r, _ in tagged], [chat for _, chat in tagged]
+
+
+def run(args: argparse.Namespace) -> int:
+    model_dir = resolve_model(args.model)
+    requests, is_chat = workload(args)
+    result: dict[str, Any] = {}
+    timelines: dict[str, list[list[float]]] = {}
+    for mode in MODES:
+        cluster = start(ClusterConfig(prefill=0 if mode == "colocated" else 1, decode=1, model=str(model_dir),
+                                      decode_args=(f"--prefill-chunk={args.prefill_chunk}",)))
+        try:
+            records = asyncio.run(drive(cluster.gateway.address, requests))
+        finally:
+            cluster.stop()
+        timelines[mode] = [r.token_times for r in records]
+        chats = [r for r, chat in zip(records, is_chat) if chat]
+        docs = [r for r, chat in zip(records, is_chat) if not chat]
+        overall = metrics(records)
+        chat = metrics(chats)
+        met = [r for r in chats if r.token_times[0] <= args.slo_ttft
+               and (r.token_times[-1] - r.token_times[0]) / max(1, len(r.token_times) - 1) <= args.slo_tpot]
+        result[mode] = {
+            "wall_s": overall["wall_s"], "gen_tok_per_s": overall["gen_tok_per_s"],
+            "ttft_p50": chat["ttft_p50"], "ttft_p99": chat["ttft_p99"],
+            "itl_p50": chat["itl_p50"], "itl_p99": chat["itl_p99"], "itl_max": chat["itl_max"],
+            "doc_ttft_p50": percentile([r.token_times[0] for r in docs], 50),
+            "goodput": len(met) / overall["wall_s"], "chats_within_slo": len(met), "chats": len(chats),
+            "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot},
+        }
+        print(f"bench interference: {mode} done", file=sys.stderr, flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "interference.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot({"interference": result}, {"interference": timelines}, out / "interference.png")
+    print(json.dumps(result) if args.json else _table(result))
+    return 0
+
+
+def _table(result: dict[str, Any]) -> str:
+    slo = next(iter(result.values()))["slo"]
+    lines = [f"chat SLO: TTFT <= {slo['ttft_s']} s and time per output token <= {slo['tpot_s']} s",
+             f"{'mode':<14} {'ITL p50':>8} {'ITL p99':>8} {'ITL max':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
+             f"{'doc TTFT':>9} {'tok/s':>7} {'goodput':>8} {'in SLO':>7}"]
+    for mode, m in result.items():
+        lines.append(f"{mode:<14} {m['itl_p50']:>8.3f} {m['itl_p99']:>8.3f} {m['itl_max']:>8.3f} "
+                     f"{m['ttft_p50']:>9.3f} {m['ttft_p99']:>9.3f} {m['doc_ttft_p50']:>9.2f} "
+                     f"{m['gen_tok_per_s']:>7.1f} {m['goodput']:>8.3f} {m['chats_within_slo']:>3}/{m['chats']:<3}")
+    return "\n".join(lines)
