@@ -32,6 +32,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-tpot", type=float, default=0.2,
                         help="chat time per output token SLO, seconds (default: 0.2)")
     parser.add_argument("--prefill-chunk", type=int, default=256, help="colocated chunk size (default: 256)")
+    parser.add_argument("--colocate-below", type=int, default=0, metavar="TOKENS",
+                        help="disaggregated mode: prompts shorter than this are prefilled on the decode worker "
+                        "(conditional disaggregation; default: %(default)s, never)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--out", default="bench/results", help="directory for interference.json and .png")
 
@@ -53,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     timelines: dict[str, list[list[float]]] = {}
     for mode in MODES:
         cluster = start(ClusterConfig(prefill=0 if mode == "colocated" else 1, decode=1, model=str(model_dir),
-                                      decode_args=(f"--prefill-chunk={args.prefill_chunk}",)))
+                                      decode_args=(f"--prefill-chunk={args.prefill_chunk}",),
+                                      colocate_below=args.colocate_below))
         try:
             records = asyncio.run(drive(cluster.gateway.address, requests))
         finally:
@@ -71,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
             "itl_p50": chat["itl_p50"], "itl_p99": chat["itl_p99"], "itl_max": chat["itl_max"],
             "doc_ttft_p50": percentile([r.token_times[0] for r in docs], 50),
             "goodput": len(met) / overall["wall_s"], "chats_within_slo": len(met), "chats": len(chats),
-            "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot},
+            "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot}, "colocate_below": args.colocate_below,
         }
         print(f"bench interference: {mode} done", file=sys.stderr, flush=True)
     out = Path(args.out)

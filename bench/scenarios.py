@@ -84,6 +84,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every prompt and output length")
     parser.add_argument("--max-seqs", type=int, default=8, help="decode slots per decode worker (default: 8)")
     parser.add_argument("--prefill-chunk", type=int, default=256, help="colocated chunk size (default: 256)")
+    parser.add_argument("--colocate-below", type=int, default=0, metavar="TOKENS",
+                        help="disaggregated mode: prompts shorter than this are prefilled on the decode worker "
+                        "(conditional disaggregation; default: %(default)s, never)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--out", default="bench/results", help="directory for scenarios.json and .png")
 
@@ -99,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
     for mode in MODES:
         cluster = start(ClusterConfig(
             prefill=0 if mode == "colocated" else 1, decode=1, model=str(model_dir),
-            decode_args=(f"--max-seqs={args.max_seqs}", f"--prefill-chunk={args.prefill_chunk}")))
+            decode_args=(f"--max-seqs={args.max_seqs}", f"--prefill-chunk={args.prefill_chunk}"),
+            colocate_below=args.colocate_below))
         try:
             for name in names:
                 requests = SCENARIOS[name](args.scale)
