@@ -16,27 +16,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.scenarios import MODES, Request, drive, metrics, percentile, plot, scaled
-from model_runner.loading import DEFAULT_MODEL, resolve_model
-from pdserve.cluster import ClusterConfig, start
+from bench.scenarios import MODES, Request, add_mode_args, drive, metrics, percentile, plot, scaled, start_mode
+from model_runner.loading import resolve_model
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals (default: %(default)s)")
     parser.add_argument("--chat-every", type=float, default=1.5, help="seconds between chat arrivals")
     parser.add_argument("--doc-every", type=float, default=8.0, help="seconds between document arrivals")
     parser.add_argument("--doc-tokens", type=int, default=1500, help="document prompt length")
-    parser.add_argument("--scale", type=float, default=1.0, help="multiply every prompt and output length")
     parser.add_argument("--slo-ttft", type=float, default=2.0, help="chat TTFT SLO, seconds (default: 2.0)")
     parser.add_argument("--slo-tpot", type=float, default=0.2,
                         help="chat time per output token SLO, seconds (default: 0.2)")
-    parser.add_argument("--prefill-chunk", type=int, default=256, help="colocated chunk size (default: 256)")
-    parser.add_argument("--colocate-below", type=int, default=0, metavar="TOKENS",
-                        help="disaggregated mode: prompts shorter than this are prefilled on the decode worker "
-                        "(conditional disaggregation; default: %(default)s, never)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    parser.add_argument("--out", default="bench/results", help="directory for interference.json and .png")
+    add_mode_args(parser, "interference")
 
 
 def workload(args: argparse.Namespace) -> tuple[list[Request], list[bool]]:
@@ -55,9 +47,7 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {}
     timelines: dict[str, list[list[float]]] = {}
     for mode in MODES:
-        cluster = start(ClusterConfig(prefill=0 if mode == "colocated" else 1, decode=1, model=str(model_dir),
-                                      decode_args=(f"--prefill-chunk={args.prefill_chunk}",),
-                                      colocate_below=args.colocate_below))
+        cluster = start_mode(mode, model_dir, args)
         try:
             records = asyncio.run(drive(cluster.gateway.address, requests))
         finally:

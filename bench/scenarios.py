@@ -29,7 +29,7 @@ import grpc
 import numpy as np
 
 from model_runner.loading import DEFAULT_MODEL, resolve_model
-from pdserve.cluster import ClusterConfig, start
+from pdserve.cluster import Cluster, ClusterConfig, start
 from protos import gateway_pb2, gateway_pb2_grpc
 
 MODES = ("colocated", "disaggregated")
@@ -79,8 +79,13 @@ def scaled(tokens: int, scale: float) -> int:
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="which to run (default: all six)")
+    add_mode_args(parser, "scenarios")
+
+
+def add_mode_args(parser: argparse.ArgumentParser, results: str) -> None:
+    """The flags of a benchmark that runs a workload through both modes (this one and `bench interference`)."""
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every prompt and output length")
     parser.add_argument("--max-seqs", type=int, default=8, help="decode slots per decode worker (default: 8)")
     parser.add_argument("--prefill-chunk", type=int, default=256, help="colocated chunk size (default: 256)")
@@ -88,7 +93,16 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="disaggregated mode: prompts shorter than this are prefilled on the decode worker "
                         "(conditional disaggregation; default: %(default)s, never)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    parser.add_argument("--out", default="bench/results", help="directory for scenarios.json and .png")
+    parser.add_argument("--out", default="bench/results", help=f"directory for {results}.json and .png")
+
+
+def start_mode(mode: str, model_dir: Path, args: argparse.Namespace) -> Cluster:
+    """A cluster for `mode`: colocated (one decode worker that prefills too, every core) or disaggregated
+    (one prefill and one decode worker, each pinned to half of the cores)."""
+    return start(ClusterConfig(
+        prefill=0 if mode == "colocated" else 1, decode=1, model=str(model_dir),
+        decode_args=(f"--max-seqs={args.max_seqs}", f"--prefill-chunk={args.prefill_chunk}"),
+        colocate_below=args.colocate_below))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,10 +114,7 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, dict[str, Any]] = {name: {} for name in names}
     timelines: dict[str, dict[str, list[list[float]]]] = {name: {} for name in names}
     for mode in MODES:
-        cluster = start(ClusterConfig(
-            prefill=0 if mode == "colocated" else 1, decode=1, model=str(model_dir),
-            decode_args=(f"--max-seqs={args.max_seqs}", f"--prefill-chunk={args.prefill_chunk}"),
-            colocate_below=args.colocate_below))
+        cluster = start_mode(mode, model_dir, args)
         try:
             for name in names:
                 requests = SCENARIOS[name](args.scale)

@@ -61,30 +61,17 @@ def main(argv: list[str] | None = None) -> None:
 
     bench = commands.add_parser("bench", help="benchmarks; results as a table or JSON, plus JSON and plots on disk")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    from bench import kv
+    from bench import decode, interference, kv, scenarios
 
-    kv_parser = benches.add_parser("kv", help="KV transfer: gRPC and shared-memory paths against their ceilings",
-                                   description=(kv.__doc__ or "").split("\n\n")[0])
-    kv.add_args(kv_parser)
-    kv_parser.set_defaults(run=lambda args, _parser: kv.run(args))
-    from bench import decode
-
-    decode_parser = benches.add_parser("decode", help="the decode step against its memory-bandwidth floor",
-                                       description=(decode.__doc__ or "").split("\n\n")[0])
-    decode.add_args(decode_parser)
-    decode_parser.set_defaults(run=lambda args, _parser: decode.run(args))
-    from bench import scenarios
-
-    scenarios_parser = benches.add_parser("scenarios", help="six workloads, colocated against disaggregated",
-                                          description=(scenarios.__doc__ or "").split("\n\n")[0])
-    scenarios.add_args(scenarios_parser)
-    scenarios_parser.set_defaults(run=lambda args, _parser: scenarios.run(args))
-    from bench import interference
-
-    interference_parser = benches.add_parser("interference", help="chat streams while long documents arrive",
-                                             description=(interference.__doc__ or "").split("\n\n")[0])
-    interference.add_args(interference_parser)
-    interference_parser.set_defaults(run=lambda args, _parser: interference.run(args))
+    for name, module, summary in (
+        ("kv", kv, "KV transfer: gRPC and shared-memory paths against their ceilings"),
+        ("decode", decode, "the decode step against its memory-bandwidth floor"),
+        ("scenarios", scenarios, "six workloads, colocated against disaggregated"),
+        ("interference", interference, "chat streams while long documents arrive"),
+    ):
+        sub = benches.add_parser(name, help=summary, description=(module.__doc__ or "").split("\n\n")[0])
+        module.add_args(sub)
+        sub.set_defaults(run=lambda args, _parser, module=module: module.run(args))
 
     args = parser.parse_args(argv)
     sys.exit(args.run(args, parser))

@@ -92,9 +92,9 @@ class _KVPush:
 
     def deliver(self, item: tuple[int, torch.Tensor, torch.Tensor] | int) -> None:
         """A finished layer (or the first token, which closes the stream). Runs on the event loop."""
-        if self.call is None and self._abandon.is_set():  # queued just before the request ended: send nothing
-            return
         if self.call is None:
+            if self._abandon.is_set():  # queued just before the request ended: send nothing
+                return
             self.started_at = time.perf_counter()
             self.call = asyncio.ensure_future(self._transfer_kv(encode_stream(self.sender, self._drain())))
             self.call.add_done_callback(self._on_transfer_end)
