@@ -93,7 +93,7 @@ async def run(
     if colocated:
         timings.kv_transport = "colocated"
         try:
-            async for tokens in _decoded(decode_call, decode_worker, None, timings):
+            async for tokens in _decoded(decode_call, decode_worker, None):
                 yield tokens
                 if tokens.finish_reason:
                     break
@@ -111,11 +111,13 @@ async def run(
         timings.prefill_queue_ms, timings.prefill_ms = first.first_token.queue_ms, first.first_token.forward_ms
         yield Tokens([first.first_token.token_id])
         transfer = asyncio.ensure_future(_prefill_event(prefill_call, prefill_worker, "transfer_done"))
-        async for tokens in _decoded(decode_call, decode_worker, transfer, timings, decode_read):
-            if tokens.finish_reason and transfer is not None and not transfer.done():
+        async for tokens in _decoded(decode_call, decode_worker, transfer, decode_read):
+            if tokens.finish_reason and transfer is not None:
                 # The last response carries the timing. Decode finished, so it acknowledged the KV and prefill's
-                # report is on its way: wait for it briefly (a busy prefill worker's event loop can lag).
-                await asyncio.wait([transfer], timeout=1.0)
+                # report has arrived or is on its way: wait for it briefly (a busy prefill worker can lag), and
+                # record it even if it arrived between two token reads, when nothing was waiting on it.
+                if not transfer.done():
+                    await asyncio.wait([transfer], timeout=1.0)
                 if transfer.done() and not transfer.cancelled() and transfer.exception() is None:
                     _record_transfer(timings, transfer.result())
             yield tokens
@@ -166,7 +168,7 @@ def _record_transfer(timings: Timings, event: prefill_pb2.PrefillEvent) -> None:
 
 
 async def _decoded(
-    call: grpc.aio.UnaryStreamCall, worker: Worker, transfer: asyncio.Future | None, timings: Timings,
+    call: grpc.aio.UnaryStreamCall, worker: Worker, transfer: asyncio.Future | None,
     read: asyncio.Future | None = None,
 ) -> AsyncIterator[Tokens]:
     """Decode's token events; while the KV transfer is still open, a prefill failure ends the stream at once.
@@ -179,8 +181,6 @@ async def _decoded(
             if transfer.done() and transfer.exception() is not None:
                 read.cancel()
                 raise transfer.exception()  # type: ignore[misc]
-            if transfer.done():
-                _record_transfer(timings, transfer.result())
         try:
             event = await read
         except grpc.aio.AioRpcError as exc:
