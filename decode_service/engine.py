@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from transformers import DynamicCache
 
-from model_runner.forward import cached_layers, decode_step, prefill_chunk
+from model_runner.forward import cached_layers, decode_step, prefill_pass
 from model_runner.kv_cache import KVPieces, SlotKVCache, pieces_of
 from model_runner.loading import LoadedModel
 from model_runner.sampling import SamplingParams, sample
@@ -170,7 +170,7 @@ class DecodeEngine:
                 self._pop_prefill(job)
                 return
             chunk = job.prompt[job.done : job.done + self.prefill_chunk]
-            logits = prefill_chunk(self.runner, chunk, job.cache)
+            logits = prefill_pass(self.runner, [chunk], job.cache)[0]
             job.done += len(chunk)
             if job.done < len(job.prompt):
                 return

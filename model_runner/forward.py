@@ -13,48 +13,69 @@ from model_runner.loading import LoadedModel
 LayerKV = tuple[torch.Tensor, torch.Tensor]  # keys, values: (kv_heads, tokens, head_dim) each
 
 
-class _LayerWatchingCache(DynamicCache):
-    """A DynamicCache that reports each layer's KV the moment the forward pass has produced it."""
+class WatchedCache(DynamicCache):
+    """A DynamicCache that reports each layer's KV the moment the forward pass has produced it.
 
-    def __init__(self, on_layer: Callable[[int, torch.Tensor, torch.Tensor], None]) -> None:
+    `on_layer(layer, keys, values)` gets the layer's whole cached KV, (batch, kv_heads, tokens, head_dim) each;
+    it may raise to abandon the pass at that layer boundary. None: report nothing.
+    """
+
+    def __init__(self, on_layer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None) -> None:
         super().__init__()
-        self._on_layer = on_layer
+        self.on_layer = on_layer
 
     def update(  # type: ignore[override]
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        self._on_layer(layer_idx, keys[0], values[0])
+        if self.on_layer is not None:
+            self.on_layer(layer_idx, keys, values)
         return keys, values
 
 
 @torch.inference_mode()
+def prefill_pass(runner: LoadedModel, prompts: list[list[int]], cache: DynamicCache) -> torch.Tensor:
+    """One forward pass over `prompts`; returns each one's last-position logits (B, vocab).
+
+    Several prompts run as one right-padded batch: causal attention keeps every real position from seeing the
+    padding after it, so row b's first len(prompts[b]) cached positions are exactly its KV. One prompt may
+    continue after the tokens `cache` already holds (chunked prefill: a long prompt as several bounded passes).
+    """
+    start = cache.get_seq_length()
+    if start and len(prompts) > 1:
+        raise ValueError("only a batch of one prompt can continue a cache")
+    longest = max(map(len, prompts))
+    input_ids = torch.zeros(len(prompts), longest, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, : len(prompt)] = torch.tensor(prompt)
+    lasts = [len(prompt) - 1 for prompt in prompts]
+    keep = sorted(set(lasts))
+    out = runner.model(
+        input_ids=input_ids.to(runner.device),
+        position_ids=torch.arange(start, start + longest, device=runner.device)[None],
+        past_key_values=cache,
+        use_cache=True,
+        # every row's last position (one index when all prompts are as long as the longest)
+        logits_to_keep=1 if keep == [longest - 1] else torch.tensor(keep, device=runner.device),
+    )
+    rows = torch.arange(len(prompts))
+    return out.logits[rows, torch.tensor([keep.index(last) for last in lasts])]
+
+
 def prefill(
     runner: LoadedModel,
     token_ids: list[int],
     on_layer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
 ) -> tuple[torch.Tensor, list[LayerKV]]:
-    """Run the prompt; returns the last position's logits (vocab,) and every layer's KV.
+    """Run one whole prompt; returns its last position's logits (vocab,) and every layer's KV.
 
-    `on_layer(layer, keys, values)` is called from inside the forward pass as each layer finishes; it may raise
-    to abandon the pass (a cancelled request stops at the next layer boundary).
+    `on_layer(layer, keys, values)` is called from inside the forward pass as each layer finishes, with
+    (kv_heads, tokens, head_dim) tensors; it may raise to abandon the pass.
     """
-    input_ids = torch.tensor([token_ids], dtype=torch.long, device=runner.device)
-    cache = _LayerWatchingCache(on_layer) if on_layer else DynamicCache()
-    out = runner.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return out.logits[0, -1], cached_layers(cache)
-
-
-@torch.inference_mode()
-def prefill_chunk(runner: LoadedModel, token_ids: list[int], cache: DynamicCache) -> torch.Tensor:
-    """Continue a prompt's prefill with the next `token_ids`, after the tokens `cache` already holds; returns
-    the last position's logits (vocab,). Chunked prefill: a long prompt runs as several bounded passes."""
-    start = cache.get_seq_length()
-    positions = torch.arange(start, start + len(token_ids), device=runner.device)[None]
-    input_ids = torch.tensor([token_ids], dtype=torch.long, device=runner.device)
-    out = runner.model(input_ids=input_ids, position_ids=positions, past_key_values=cache, use_cache=True,
-                       logits_to_keep=1)
-    return out.logits[0, -1]
+    hook = None if on_layer is None else lambda layer, keys, values: on_layer(layer, keys[0], values[0])
+    cache = WatchedCache(hook)
+    logits = prefill_pass(runner, [token_ids], cache)
+    return logits[0], cached_layers(cache)
 
 
 def cached_layers(cache: DynamicCache) -> list[LayerKV]:

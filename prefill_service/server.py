@@ -2,11 +2,12 @@
 
 Life of a request here:
 1. Prefill arrives from the gateway with the prompt's token ids and a decode reservation (address + token).
-2. It waits in a FIFO queue for the one thread that owns the model.
-3. The forward pass runs; as each layer finishes, its KV is handed to the event loop, which streams it to the
-   decode worker (TransferKV: header, chunks, ...) while later layers still compute. When decode lent a
-   shared-memory segment this worker can open (same host), the bytes go there and the stream carries only
-   descriptors and checksums.
+2. It waits in the engine's queue (engine.py): short prompts share batched passes, long ones run in chunks that
+   take turns with them, and a prompt that would overflow the queue's token budget is refused.
+3. The forward pass runs; as each layer finishes (in the prompt's last pass), its KV is handed to the event
+   loop, which streams it to the decode worker (TransferKV: header, chunks, ...) while later layers still
+   compute. When decode lent a shared-memory segment this worker can open (same host), the bytes go there and
+   the stream carries only descriptors and checksums.
 4. The first token is sampled from the last position and sent to the gateway at once (TTFT does not wait for
    the transfer); the KV stream is closed with a trailer that carries it.
 5. Decode acknowledges: the call ends with TransferDone. A refused transfer ends the call with decode's status;
@@ -21,7 +22,6 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -33,9 +33,10 @@ from kv_wire.layout import DEFAULT_CHUNK_BYTES, LOSSY_WIRE_DTYPES, KVLayout, Tra
 from kv_wire.sender import KVSender, encode_stream
 from model_runner import forward
 from model_runner.loading import LoadedModel, ModelConfig, add_model_args, model_config
-from model_runner.sampling import SamplingParams, sample
+from model_runner.sampling import SamplingParams
 from pdserve import serving
 from pdserve.serving import MAX_MESSAGE_BYTES, ServerConfig, add_server_args, server_config
+from prefill_service.engine import Abandoned, Prefilled, PrefillEngine, PrefillJob, QueueFull
 from protos import prefill_pb2, prefill_pb2_grpc, worker_pb2
 from protos.convert import model_info, sampling_from_pb
 
@@ -48,6 +49,9 @@ class PrefillConfig:
     wire_dtype: str = ""  # "" = the model's own; or a lossy downcast of float32 KV
     kv_shm: bool = True  # write KV into a segment decode lent, when it is on this host
     layer_streaming: bool = True  # send each layer's KV as soon as it exists (off: all of it after the pass)
+    prefill_chunk: int = 256  # longer prompts run in passes of this many tokens, taking turns with short ones
+    batch_tokens: int = 256  # short prompts share one pass while the padded batch stays within this
+    max_queued_tokens: int = 65536  # prompt tokens waiting or running; beyond it a prompt is refused
 
     def __post_init__(self) -> None:
         if self.wire_dtype and (self.wire_dtype not in LOSSY_WIRE_DTYPES or self.model.dtype != "float32"):
@@ -55,11 +59,17 @@ class PrefillConfig:
                              "and only for a float32 model")
         if not 0 < self.chunk_bytes <= MAX_MESSAGE_BYTES // 2:
             raise ValueError(f"--chunk-bytes {self.chunk_bytes}: must be in (0, {MAX_MESSAGE_BYTES // 2}]")
+        for flag, value in (("--prefill-chunk", self.prefill_chunk), ("--batch-tokens", self.batch_tokens),
+                            ("--max-queued-tokens", self.max_queued_tokens)):
+            if value < 1:
+                raise ValueError(f"{flag} {value}: must be >= 1")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PrefillConfig:
         return cls(server=server_config(args), model=model_config(args), chunk_bytes=args.chunk_bytes,
-                   wire_dtype=args.wire_dtype, kv_shm=args.kv_shm, layer_streaming=args.layer_streaming)
+                   wire_dtype=args.wire_dtype, kv_shm=args.kv_shm, layer_streaming=args.layer_streaming,
+                   prefill_chunk=args.prefill_chunk, batch_tokens=args.batch_tokens,
+                   max_queued_tokens=args.max_queued_tokens)
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
@@ -75,10 +85,15 @@ class PrefillConfig:
                            help="never use a decode worker's shared-memory segment: send every KV byte over gRPC")
         group.add_argument("--no-layer-streaming", action="store_false", dest="layer_streaming",
                            help="send the KV after the whole forward pass instead of layer by layer (a baseline)")
-
-
-class _Abandoned(Exception):
-    """Raised inside the forward pass (at a layer boundary) when the request no longer wants it."""
+        group.add_argument("--prefill-chunk", type=int, default=256,
+                           help="prompts longer than this run in passes of this many tokens, taking turns with "
+                           "short prompts (default: %(default)s)")
+        group.add_argument("--batch-tokens", type=int, default=256,
+                           help="short prompts share one forward pass while the padded batch holds at most this "
+                           "many tokens (default: %(default)s)")
+        group.add_argument("--max-queued-tokens", type=int, default=65536,
+                           help="prompt tokens waiting or running; a prompt beyond it is refused with "
+                           "RESOURCE_EXHAUSTED (default: %(default)s)")
 
 
 class _KVPush:
@@ -125,11 +140,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.config = config
         self.runner = runner
         self.spec = runner.spec
-        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-model")
+        self.engine = PrefillEngine(runner, batch_tokens=config.batch_tokens, chunk_tokens=config.prefill_chunk,
+                                    max_queued_tokens=config.max_queued_tokens,
+                                    layer_streaming=config.layer_streaming)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._segments = SegmentMaps()
-        self._in_flight = 0
-        self._pending_kv_bytes = 0
 
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -147,30 +162,26 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         abandon = threading.Event()
         push = _KVPush(self._channel(request.decode_address), sender, abandon)
 
-        streaming = self.config.layer_streaming
+        def deliver(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:  # engine thread
+            loop.call_soon_threadsafe(push.deliver, (layer, keys, values))
 
-        def on_layer(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:  # model thread
-            if abandon.is_set():
-                raise _Abandoned
-            if streaming:
-                loop.call_soon_threadsafe(push.deliver, (layer, keys, values))
+        result: asyncio.Future[Prefilled] = loop.create_future()
 
-        def run_forward() -> tuple[int, float, float]:  # model thread
-            started = time.perf_counter()
-            logits, kv = forward.prefill(self.runner, token_ids, on_layer)
-            first = sample(logits, sampling, position=len(token_ids))
-            if not streaming:
-                for layer, (keys, values) in enumerate(kv):
-                    loop.call_soon_threadsafe(push.deliver, (layer, keys, values))
-            return first, started, time.perf_counter()
+        def finish(outcome: Prefilled | BaseException) -> None:  # engine thread
+            loop.call_soon_threadsafe(_settle, result, outcome)
 
+        job = PrefillJob(token_ids, sampling, deliver, finish, abandon)
         arrived = time.perf_counter()
-        self._in_flight += 1
-        self._pending_kv_bytes += layout.total_bytes
+        try:
+            self.engine.submit(job)
+        except QueueFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except Abandoned as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         try:
             try:
-                first, started, ended = await loop.run_in_executor(self._model_thread, run_forward)
-            except _Abandoned:
+                first, started, ended = await result
+            except Abandoned:
                 await self._transfer_result(push, request.decode_address, context)  # raises decode's refusal
                 raise
             yield prefill_pb2.PrefillEvent(first_token=prefill_pb2.FirstToken(
@@ -184,9 +195,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 transport=sender.transport))
         finally:  # finished, cancelled or failed: stop computing, stop sending
             abandon.set()
+            self.engine.wake()
             push.cancel()
-            self._in_flight -= 1
-            self._pending_kv_bytes -= layout.total_bytes
 
     async def _transfer_result(self, push: _KVPush, address: str, context: grpc.aio.ServicerContext) -> None:
         """Wait for decode's acknowledgement; a refused or broken transfer ends this call with its status."""
@@ -234,14 +244,23 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def GetInfo(
         self, request: worker_pb2.WorkerInfoRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerInfo:
-        return worker_pb2.WorkerInfo(role="prefill", model=model_info(self.spec), live_sequences=self._in_flight,
-                                     live_kv_bytes=self._pending_kv_bytes, pid=os.getpid())
+        return worker_pb2.WorkerInfo(role="prefill", model=model_info(self.spec), live_sequences=self.engine.live_jobs,
+                                     queued_tokens=self.engine.queued_tokens, pid=os.getpid())
 
     async def close(self) -> None:
         for channel in self._channels.values():
             await channel.close()
         self._segments.close()
-        self._model_thread.shutdown(wait=True, cancel_futures=True)
+        await asyncio.to_thread(self.engine.close)
+
+
+def _settle(result: asyncio.Future[Prefilled], outcome: Prefilled | BaseException) -> None:
+    if result.done():  # the handler already left
+        return
+    if isinstance(outcome, BaseException):
+        result.set_exception(outcome)
+    else:
+        result.set_result(outcome)
 
 
 async def serve(config: PrefillConfig) -> None:

@@ -1,0 +1,242 @@
+"""The prefill engine: one thread owns the model and decides what each forward pass runs.
+
+Prompts wait in a queue bounded by a token budget (a prompt that would overflow it is refused, so a caller can
+go elsewhere). Each forward pass is one of:
+- a batch of short prompts, right-padded into one pass while the padded batch stays within `batch_tokens`:
+  one core reads the weights once for all of them (measured on the default model: 4 prompts of 16 tokens run
+  1.9x faster batched than one by one, of 64 tokens 1.3x, of 128 tokens no faster, so the default is 256);
+- the next chunk of at most `chunk_tokens` of the oldest long prompt (longer than one chunk).
+When both kinds wait they take turns: a short prompt waits at most one chunk behind a long one, and a stream of
+short prompts never starves a long one.
+
+With layer streaming a prompt's KV is delivered layer by layer during its last pass (a long prompt's earlier
+chunks leave every layer incomplete until then); otherwise after it. Abandoned prompts (cancelled, or their
+transfer refused) leave the queue, or stop the pass at the next layer boundary when nothing else in it needs it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from model_runner.forward import WatchedCache, prefill_pass
+from model_runner.loading import LoadedModel
+from model_runner.sampling import SamplingParams, sample
+
+log = logging.getLogger(__name__)
+
+MAX_BATCH = 16  # prompts in one batched pass
+
+
+class QueueFull(Exception):
+    """The prompt would take the queue over its token budget."""
+
+
+class Abandoned(Exception):
+    """The prompt's request ended (cancelled, or its KV transfer failed) before its prefill did."""
+
+
+class Prefilled(NamedTuple):
+    first_token: int
+    started: float  # perf_counter when its first pass began
+    ended: float
+
+
+@dataclass(eq=False)
+class PrefillJob:
+    token_ids: list[int]
+    sampling: SamplingParams
+    # deliver(layer, keys, values): a layer's finished KV, (kv_heads, tokens, head_dim) each; engine thread
+    deliver: Callable[[int, torch.Tensor, torch.Tensor], None]
+    # finish(Prefilled or the exception that ended it): exactly once, engine thread
+    finish: Callable[[Prefilled | BaseException], None]
+    abandon: threading.Event = field(default_factory=threading.Event)
+    started: float = 0.0
+    cache: WatchedCache | None = None  # a long prompt's KV so far
+    done: int = 0  # prompt tokens in `cache`
+
+
+class Scheduler:
+    """Which prompts the next pass runs. Pure bookkeeping: no model, no threads (the engine holds the lock)."""
+
+    def __init__(self, batch_tokens: int, chunk_tokens: int) -> None:
+        self.batch_tokens, self.chunk_tokens = batch_tokens, chunk_tokens
+        self.short: collections.deque[PrefillJob] = collections.deque()
+        self.long: collections.deque[PrefillJob] = collections.deque()  # long[0] may be part-way through
+        self._long_turn = False
+
+    def add(self, job: PrefillJob) -> None:
+        (self.long if len(job.token_ids) > self.chunk_tokens else self.short).append(job)
+
+    def __len__(self) -> int:
+        return len(self.short) + len(self.long)
+
+    def drop_abandoned(self) -> list[PrefillJob]:
+        dropped = [job for job in (*self.short, *self.long) if job.abandon.is_set()]
+        for queue in (self.short, self.long):
+            kept = [job for job in queue if not job.abandon.is_set()]
+            queue.clear()
+            queue.extend(kept)
+        return dropped
+
+    def next_pass(self) -> list[PrefillJob]:
+        """A batch of short prompts (removed from the queue), or [the oldest long prompt] (left at its head until
+        its last chunk ran: `finished_long` removes it). Empty when nothing waits."""
+        if self.long and (not self.short or self._long_turn):
+            self._long_turn = False
+            return [self.long[0]]
+        self._long_turn = bool(self.long)
+        batch: list[PrefillJob] = []
+        longest = 0
+        for job in list(self.short):
+            widest = max(longest, len(job.token_ids))
+            if batch and (len(batch) == MAX_BATCH or widest * (len(batch) + 1) > self.batch_tokens):
+                continue  # a later, shorter prompt may still fit
+            batch.append(job)
+            longest = widest
+            self.short.remove(job)
+        return batch
+
+    def finished_long(self, job: PrefillJob) -> None:
+        self.long.remove(job)
+
+
+class PrefillEngine:
+    def __init__(self, runner: LoadedModel, *, batch_tokens: int = 256, chunk_tokens: int = 256,
+                 max_queued_tokens: int = 65536, layer_streaming: bool = True) -> None:
+        self.runner = runner
+        self.max_queued_tokens = max_queued_tokens
+        self.layer_streaming = layer_streaming
+        self._scheduler = Scheduler(batch_tokens, chunk_tokens)
+        self._wake = threading.Condition()
+        self._stopping = False
+        self.queued_tokens = 0  # prompt tokens of every job submitted and not yet finished
+        self.live_jobs = 0
+        self._thread = threading.Thread(target=self._run, name="prefill-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: PrefillJob) -> None:
+        """Queue a prompt; raises QueueFull when it would overflow the token budget (an idle engine takes any)."""
+        with self._wake:
+            if self._stopping:
+                raise Abandoned("the prefill engine is shutting down")
+            if self.live_jobs and self.queued_tokens + len(job.token_ids) > self.max_queued_tokens:
+                raise QueueFull(f"prefill queue full: {self.queued_tokens} prompt tokens waiting or running, "
+                                f"budget {self.max_queued_tokens}")
+            self.queued_tokens += len(job.token_ids)
+            self.live_jobs += 1
+            self._scheduler.add(job)
+            self._wake.notify()
+
+    def wake(self) -> None:
+        """Look at the queue again now (a job was abandoned)."""
+        with self._wake:
+            self._wake.notify()
+
+    def close(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not self._scheduler:
+                    self._wake.wait()
+                for job in self._scheduler.drop_abandoned():
+                    self._finish(job, Abandoned())
+                if self._stopping:
+                    for job in [*self._scheduler.short, *self._scheduler.long]:
+                        self._finish(job, Abandoned("the prefill engine shut down"))
+                    return
+                jobs = self._scheduler.next_pass()
+            if not jobs:
+                continue
+            try:
+                if jobs[0].cache is not None or len(jobs[0].token_ids) > self._scheduler.chunk_tokens:
+                    self._run_chunk(jobs[0])
+                else:
+                    self._run_batch(jobs)
+            except Exception as exc:  # one bad pass fails its prompts, never the engine
+                if not isinstance(exc, Abandoned):
+                    log.exception("prefill pass over %d prompt(s) failed", len(jobs))
+                for job in jobs:
+                    self._end_long(job)
+                    self._finish(job, exc)
+
+    def _run_batch(self, jobs: list[PrefillJob]) -> None:
+        started = time.perf_counter()
+        for job in jobs:
+            job.started = started
+        streaming = self.layer_streaming
+
+        def on_layer(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+            live = [(row, job) for row, job in enumerate(jobs) if not job.abandon.is_set()]
+            if not live:
+                raise Abandoned
+            if streaming:
+                for row, job in live:
+                    width = len(job.token_ids)
+                    job.deliver(layer, keys[row, :, :width], values[row, :, :width])
+
+        cache = WatchedCache(on_layer)
+        logits = prefill_pass(self.runner, [job.token_ids for job in jobs], cache)
+        ended = time.perf_counter()
+        for row, job in enumerate(jobs):
+            if job.abandon.is_set():
+                self._finish(job, Abandoned())
+                continue
+            if not streaming:
+                self._deliver_all(job, cache, row)
+            self._finish(job, Prefilled(sample(logits[row], job.sampling, position=len(job.token_ids)),
+                                        job.started, ended))
+
+    def _run_chunk(self, job: PrefillJob) -> None:
+        prompt = job.token_ids
+        chunk = prompt[job.done : job.done + self._scheduler.chunk_tokens]
+        last = job.done + len(chunk) == len(prompt)
+        streaming = self.layer_streaming and last
+
+        def on_layer(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+            if job.abandon.is_set():
+                raise Abandoned
+            if streaming:
+                job.deliver(layer, keys[0], values[0])
+
+        if job.cache is None:
+            job.cache, job.started = WatchedCache(), time.perf_counter()
+        job.cache.on_layer = on_layer
+        logits = prefill_pass(self.runner, [chunk], job.cache)[0]
+        job.done += len(chunk)
+        if not last:
+            return
+        if not self.layer_streaming:
+            self._deliver_all(job, job.cache, 0)
+        self._end_long(job)
+        self._finish(job, Prefilled(sample(logits, job.sampling, position=len(prompt)), job.started,
+                                    time.perf_counter()))
+
+    def _end_long(self, job: PrefillJob) -> None:
+        with self._wake:
+            if job in self._scheduler.long:
+                self._scheduler.finished_long(job)
+        job.cache = None
+
+    def _deliver_all(self, job: PrefillJob, cache: WatchedCache, row: int) -> None:
+        width = len(job.token_ids)
+        for layer, kv in enumerate(cache.layers):
+            job.deliver(layer, kv.keys[row, :, :width], kv.values[row, :, :width])  # type: ignore[union-attr,index]
+
+    def _finish(self, job: PrefillJob, result: Prefilled | BaseException) -> None:
+        with self._wake:
+            self.queued_tokens -= len(job.token_ids)
+            self.live_jobs -= 1
+        job.finish(result)
