@@ -3,10 +3,12 @@
 Sequences join between steps once their whole KV arrived, and leave between steps when finished or aborted.
 Running sequences stay packed in slots 0..B-1, so a step is one forward pass over a view of the cache.
 
-Colocated requests bring a prompt instead of KV: the engine prefills it itself, one chunk of at most
-`prefill_chunk` tokens between two decode steps (chunked prefill, as vLLM does by default), so a long prompt
-delays running streams by one chunk at a time, never by its whole forward pass. Its first token is sampled
-here and it joins the batch like any other sequence.
+Colocated requests bring a prompt instead of KV: the engine prefills it itself, one pass between two decode
+steps, scheduled as on a prefill worker (model_runner/scheduling.py): short prompts batched, long ones in chunks
+of at most `prefill_chunk` tokens taking turns with them (chunked prefill, as vLLM does by default). So a long
+prompt delays running streams by one chunk at a time, never by its whole forward pass, and a short prompt
+waits at most one chunk behind it. Its first token is sampled here and it joins the batch like any other
+sequence.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from transformers import DynamicCache
 
-from model_runner.forward import cached_layers, decode_step, prefill_pass
+from model_runner.forward import LayerKV, cached_layers, decode_step, prefill_pass
 from model_runner.kv_cache import KVPieces, SlotKVCache, pieces_of
 from model_runner.loading import LoadedModel
 from model_runner.sampling import SamplingParams, sample
+from model_runner.scheduling import PromptScheduler
 
 log = logging.getLogger(__name__)
 
@@ -56,18 +60,23 @@ class Sequence:
         return ""
 
 
-@dataclass
+@dataclass(eq=False)
 class _Prefill:
-    """A colocated prompt being prefilled chunk by chunk."""
+    """A colocated prompt waiting for, or part-way through, its prefill."""
 
     seq: Sequence
-    prompt: list[int]
-    cache: DynamicCache = field(default_factory=DynamicCache)
+    token_ids: list[int]
+    cache: DynamicCache = field(default_factory=DynamicCache)  # a long prompt's chunks so far
     done: int = 0  # prompt tokens already in `cache`
+
+    @property
+    def abandoned(self) -> bool:
+        return self.seq.aborted
 
 
 class DecodeEngine:
-    def __init__(self, runner: LoadedModel, max_seqs: int, prefill_chunk: int = 256) -> None:
+    def __init__(self, runner: LoadedModel, max_seqs: int, prefill_chunk: int = 256,
+                 prefill_batch_tokens: int = 256) -> None:
         spec = runner.spec
         self.runner = runner
         self.max_len = spec.max_model_len
@@ -75,8 +84,8 @@ class DecodeEngine:
                                  runner.model.dtype, runner.device)
         self._running: list[Sequence] = []  # index = slot
         self._joining: collections.deque[tuple[Sequence, KVPieces, Callable[[], None]]] = collections.deque()
-        self._prefilling: collections.deque[_Prefill] = collections.deque()
-        self.prefill_chunk = prefill_chunk
+        self._prefills: PromptScheduler[_Prefill] = PromptScheduler(prefill_batch_tokens, prefill_chunk)
+        self._prefilling = 0  # prompts taken off the queue for the pass under way
         self._abort_pending = False
         self._wake = threading.Condition()
         self._stopped = False
@@ -102,7 +111,7 @@ class DecodeEngine:
     def submit_prompt(self, seq: Sequence, prompt: list[int]) -> None:
         """Queue a colocated request: prefill `prompt` here, emit the first token, then decode like the rest."""
         with self._wake:
-            self._prefilling.append(_Prefill(seq, prompt))
+            self._prefills.add(_Prefill(seq, prompt))
             self._wake.notify()
 
     def abort(self, seq: Sequence) -> None:
@@ -114,7 +123,7 @@ class DecodeEngine:
     @property
     def live_sequences(self) -> int:
         with self._wake:
-            return len(self._running) + len(self._joining) + len(self._prefilling)
+            return len(self._running) + len(self._joining) + len(self._prefills) + self._prefilling
 
     # The engine thread.
     def _loop(self) -> None:
@@ -123,7 +132,7 @@ class DecodeEngine:
                 self._join_and_leave()
                 if self._running:
                     self._step()
-                self._prefill_next_chunk()
+                self._prefill_next_pass()
             except Exception:  # a broken step must not strand its sequences: fail them and keep serving
                 log.exception("decode step failed; failing %d running sequences", len(self._running))
                 for seq in self._running:
@@ -132,7 +141,7 @@ class DecodeEngine:
 
     def _wait_for_work(self) -> bool:
         with self._wake:
-            while not (self._stopped or self._running or self._joining or self._prefilling or self._abort_pending):
+            while not (self._stopped or self._running or self._joining or self._prefills or self._abort_pending):
                 self._wake.wait()
             return not self._stopped
 
@@ -158,38 +167,48 @@ class DecodeEngine:
             finally:
                 release()
 
-    def _prefill_next_chunk(self) -> None:
-        """One chunk of the oldest colocated prompt; the last chunk samples its first token and it joins."""
+    def _prefill_next_pass(self) -> None:
+        """One prefill pass over colocated prompts; each prompt that completes samples its first token and joins."""
         with self._wake:
-            job = self._prefilling[0] if self._prefilling else None
-        if job is None:
+            self._prefills.drop_abandoned()  # Generate's handler already ended their calls
+            jobs = self._prefills.next_pass()
+            self._prefilling = len(jobs)
+        if not jobs:
             return
-        seq = job.seq
         try:
-            if seq.aborted:
-                self._pop_prefill(job)
-                return
-            chunk = job.prompt[job.done : job.done + self.prefill_chunk]
-            logits = prefill_pass(self.runner, [chunk], job.cache)[0]
-            job.done += len(chunk)
-            if job.done < len(job.prompt):
-                return
-            self._pop_prefill(job)
-            seq.tokens = [sample(logits, seq.sampling, position=len(job.prompt))]
-            reason = seq.finish_reason(self.max_len)
-            seq.emit(seq.tokens[:], reason)
-            if not reason:
-                self.cache.load(len(self._running), pieces_of(cached_layers(job.cache)), seq.prompt_len)
-                self._running.append(seq)
+            if self._prefills.is_long(jobs[0]):
+                job = jobs[0]
+                chunk = job.token_ids[job.done : job.done + self._prefills.chunk_tokens]
+                logits = prefill_pass(self.runner, [chunk], job.cache)[0]
+                job.done += len(chunk)
+                if job.done == len(job.token_ids):
+                    with self._wake:
+                        self._prefills.finished_long(job)
+                    self._admit_prefilled(job.seq, logits, cached_layers(job.cache))
+            else:
+                cache = DynamicCache()
+                logits = prefill_pass(self.runner, [job.token_ids for job in jobs], cache)
+                for row, job in enumerate(jobs):
+                    self._admit_prefilled(job.seq, logits[row], cached_layers(cache, row, len(job.token_ids)))
         except Exception:
-            log.exception("prefilling %s failed", seq.request_id)
-            self._pop_prefill(job)
-            seq.emit([], FAILED)
+            log.exception("prefilling %s failed", ", ".join(job.seq.request_id for job in jobs))
+            for job in jobs:
+                with self._wake:
+                    self._prefills.finished_long(job)
+                job.seq.emit([], FAILED)
+        finally:
+            with self._wake:
+                self._prefilling = 0
 
-    def _pop_prefill(self, job: _Prefill) -> None:
-        with self._wake:
-            if self._prefilling and self._prefilling[0] is job:
-                self._prefilling.popleft()
+    def _admit_prefilled(self, seq: Sequence, logits: torch.Tensor, kv: list[LayerKV]) -> None:
+        if seq.aborted:
+            return
+        seq.tokens = [sample(logits, seq.sampling, position=seq.prompt_len)]
+        reason = seq.finish_reason(self.max_len)
+        seq.emit(seq.tokens[:], reason)
+        if not reason:
+            self.cache.load(len(self._running), pieces_of(kv), seq.prompt_len)
+            self._running.append(seq)
 
     def _step(self) -> None:
         running = self._running

@@ -59,8 +59,10 @@ class DecodeConfig:
     lease_s: float = 30.0
     max_chunk_bytes: int = 4 * DEFAULT_CHUNK_BYTES
     kv_shm: bool = True  # lend shared-memory segments, so a prefill worker on this host skips the wire
-    prefill_chunk: int = 256  # colocated prompts: most tokens prefilled between two decode steps
+    prefill_chunk: int = 256  # colocated prompts: most tokens of a long prompt prefilled between two decode steps
+    prefill_batch_tokens: int = 256  # colocated short prompts share a pass within this many padded tokens
     buffer_keep_mb: float = 1024  # idle transfer buffers kept warm, per kind (staging, segments)
+    kv_warm_mb: float = 1024  # KV cache memory committed at startup, spread evenly over the slots
 
     def __post_init__(self) -> None:
         if self.max_seqs < 1:
@@ -71,16 +73,20 @@ class DecodeConfig:
             raise ValueError(f"--lease {self.lease_s}: must be > 0")
         if not 0 < self.max_chunk_bytes <= MAX_MESSAGE_BYTES // 2:
             raise ValueError(f"--max-chunk-bytes {self.max_chunk_bytes}: must be in (0, {MAX_MESSAGE_BYTES // 2}]")
-        if self.prefill_chunk < 1:
-            raise ValueError(f"--prefill-chunk {self.prefill_chunk}: must be >= 1")
+        if self.prefill_chunk < 1 or self.prefill_batch_tokens < 1:
+            raise ValueError(f"--prefill-chunk {self.prefill_chunk}, --prefill-batch-tokens "
+                             f"{self.prefill_batch_tokens}: must be >= 1")
         if self.buffer_keep_mb < 0:
             raise ValueError(f"--kv-buffer-keep-mb {self.buffer_keep_mb}: must be >= 0")
+        if self.kv_warm_mb < 0:
+            raise ValueError(f"--kv-warm-mb {self.kv_warm_mb}: must be >= 0")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DecodeConfig:
         return cls(server=server_config(args), model=model_config(args), max_seqs=args.max_seqs,
                    kv_budget_mb=args.kv_budget_mb, lease_s=args.lease_s, max_chunk_bytes=args.max_chunk_bytes,
-                   kv_shm=args.kv_shm, buffer_keep_mb=args.buffer_keep_mb, prefill_chunk=args.prefill_chunk)
+                   kv_shm=args.kv_shm, buffer_keep_mb=args.buffer_keep_mb, prefill_chunk=args.prefill_chunk,
+                   prefill_batch_tokens=args.prefill_batch_tokens, kv_warm_mb=args.kv_warm_mb)
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
@@ -97,10 +103,16 @@ class DecodeConfig:
         group.add_argument("--no-kv-shm", action="store_false", dest="kv_shm",
                            help="lend no shared-memory segments: every KV byte comes over gRPC")
         group.add_argument("--prefill-chunk", type=int, default=256,
-                           help="colocated prompts: most tokens prefilled between two decode steps "
-                           "(default: %(default)s)")
+                           help="colocated prompts: longer ones are prefilled in passes of this many tokens between "
+                           "two decode steps (default: %(default)s)")
+        group.add_argument("--prefill-batch-tokens", type=int, default=256,
+                           help="colocated short prompts share one pass while the padded batch holds at most this "
+                           "many tokens (default: %(default)s)")
         group.add_argument("--kv-buffer-keep-mb", type=float, default=1024, dest="buffer_keep_mb",
                            help="idle KV transfer buffers kept warm, per kind (default: %(default)s)")
+        group.add_argument("--kv-warm-mb", type=float, default=1024,
+                           help="KV cache memory committed at startup, spread evenly over the slots, so joining "
+                           "sequences do not stall the batch on page faults (default: %(default)s)")
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
@@ -108,10 +120,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         spec = runner.spec
         self.config = config
         self.spec = spec
-        self.engine = DecodeEngine(runner, config.max_seqs, config.prefill_chunk)
+        self.engine = DecodeEngine(runner, config.max_seqs, config.prefill_chunk, config.prefill_batch_tokens)
         full = config.max_seqs * spec.max_model_len * spec.kv_bytes_per_token
         budget = int(config.kv_budget_mb * (1 << 20)) if config.kv_budget_mb else full
         self.table = ReservationTable(config.max_seqs, budget, spec.kv_bytes_per_token, config.lease_s)
+        warm = min(int(config.kv_warm_mb * (1 << 20)), budget)
+        self.engine.cache.commit(min(spec.max_model_len, warm // (config.max_seqs * spec.kv_bytes_per_token)))
         keep = int(config.buffer_keep_mb * (1 << 20))
         self.staging = BufferPool(shared=False, keep_bytes=keep)
         self.segments = BufferPool(shared=True, keep_bytes=keep) if config.kv_shm and buffers.SHM_DIR.is_dir() else None

@@ -78,9 +78,10 @@ def prefill(
     return logits[0], cached_layers(cache)
 
 
-def cached_layers(cache: DynamicCache) -> list[LayerKV]:
-    """A batch-of-one DynamicCache's KV, per layer."""
-    return [(layer.keys[0], layer.values[0]) for layer in cache.layers]  # type: ignore[union-attr,index]
+def cached_layers(cache: DynamicCache, row: int = 0, tokens: int | None = None) -> list[LayerKV]:
+    """Row `row`'s KV per layer, its first `tokens` positions (all by default): a batched pass's rows are padded."""
+    return [(layer.keys[row, :, :tokens], layer.values[row, :, :tokens])  # type: ignore[union-attr,index]
+            for layer in cache.layers]
 
 
 @torch.inference_mode()

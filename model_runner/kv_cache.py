@@ -87,6 +87,14 @@ class SlotKVCache(Cache):
         self.step_positions = torch.empty(0, dtype=torch.long)
         self.step_kv_len = 0
 
+    def commit(self, positions: int) -> None:
+        """Write (zeros to) the first `positions` of every slot now. The CPU cache's pages are committed on first
+        write, and a join that lands on fresh pages pays for the faults inside a decode step (measured: ~0.15 s
+        for a 1,500-token prompt of the default model, 69 MB); committed up front, it pays only for the copy."""
+        for layer in self.slot_layers:
+            layer.keys[:, :, :positions].zero_()
+            layer.values[:, :, :positions].zero_()
+
     def load(self, slot: int, kv: KVPieces, length: int) -> None:
         """Copy a `length`-token prompt's KV into `slot` (a join copies each byte once, casting if need be).
 

@@ -1,13 +1,7 @@
-"""The prefill engine: one thread owns the model and decides what each forward pass runs.
+"""The prefill engine: one thread owns the model and runs the passes a PromptScheduler picks.
 
 Prompts wait in a queue bounded by a token budget (a prompt that would overflow it is refused, so a caller can
-go elsewhere). Each forward pass is one of:
-- a batch of short prompts, right-padded into one pass while the padded batch stays within `batch_tokens`:
-  one core reads the weights once for all of them (measured on the default model: 4 prompts of 16 tokens run
-  1.9x faster batched than one by one, of 64 tokens 1.3x, of 128 tokens no faster, so the default is 256);
-- the next chunk of at most `chunk_tokens` of the oldest long prompt (longer than one chunk).
-When both kinds wait they take turns: a short prompt waits at most one chunk behind a long one, and a stream of
-short prompts never starves a long one.
+go elsewhere). Each forward pass is a batch of short prompts or one chunk of a long one (model_runner/scheduling.py).
 
 With layer streaming a prompt's KV is delivered layer by layer during its last pass (a long prompt's earlier
 chunks leave every layer incomplete until then); otherwise after it. Abandoned prompts (cancelled, or their
@@ -16,7 +10,6 @@ transfer refused) leave the queue, or stop the pass at the next layer boundary w
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
@@ -26,14 +19,12 @@ from typing import NamedTuple
 
 import torch
 
-from model_runner.forward import WatchedCache, prefill_pass
+from model_runner.forward import WatchedCache, cached_layers, prefill_pass
 from model_runner.loading import LoadedModel
 from model_runner.sampling import SamplingParams, sample
+from model_runner.scheduling import PromptScheduler
 
 log = logging.getLogger(__name__)
-
-MAX_BATCH = 16  # prompts in one batched pass
-
 
 class QueueFull(Exception):
     """The prompt would take the queue over its token budget."""
@@ -62,50 +53,9 @@ class PrefillJob:
     cache: WatchedCache | None = None  # a long prompt's KV so far
     done: int = 0  # prompt tokens in `cache`
 
-
-class Scheduler:
-    """Which prompts the next pass runs. Pure bookkeeping: no model, no threads (the engine holds the lock)."""
-
-    def __init__(self, batch_tokens: int, chunk_tokens: int) -> None:
-        self.batch_tokens, self.chunk_tokens = batch_tokens, chunk_tokens
-        self.short: collections.deque[PrefillJob] = collections.deque()
-        self.long: collections.deque[PrefillJob] = collections.deque()  # long[0] may be part-way through
-        self._long_turn = False
-
-    def add(self, job: PrefillJob) -> None:
-        (self.long if len(job.token_ids) > self.chunk_tokens else self.short).append(job)
-
-    def __len__(self) -> int:
-        return len(self.short) + len(self.long)
-
-    def drop_abandoned(self) -> list[PrefillJob]:
-        dropped = [job for job in (*self.short, *self.long) if job.abandon.is_set()]
-        for queue in (self.short, self.long):
-            kept = [job for job in queue if not job.abandon.is_set()]
-            queue.clear()
-            queue.extend(kept)
-        return dropped
-
-    def next_pass(self) -> list[PrefillJob]:
-        """A batch of short prompts (removed from the queue), or [the oldest long prompt] (left at its head until
-        its last chunk ran: `finished_long` removes it). Empty when nothing waits."""
-        if self.long and (not self.short or self._long_turn):
-            self._long_turn = False
-            return [self.long[0]]
-        self._long_turn = bool(self.long)
-        batch: list[PrefillJob] = []
-        longest = 0
-        for job in list(self.short):
-            widest = max(longest, len(job.token_ids))
-            if batch and (len(batch) == MAX_BATCH or widest * (len(batch) + 1) > self.batch_tokens):
-                continue  # a later, shorter prompt may still fit
-            batch.append(job)
-            longest = widest
-            self.short.remove(job)
-        return batch
-
-    def finished_long(self, job: PrefillJob) -> None:
-        self.long.remove(job)
+    @property
+    def abandoned(self) -> bool:
+        return self.abandon.is_set()
 
 
 class PrefillEngine:
@@ -114,7 +64,7 @@ class PrefillEngine:
         self.runner = runner
         self.max_queued_tokens = max_queued_tokens
         self.layer_streaming = layer_streaming
-        self._scheduler = Scheduler(batch_tokens, chunk_tokens)
+        self._scheduler: PromptScheduler[PrefillJob] = PromptScheduler(batch_tokens, chunk_tokens)
         self._wake = threading.Condition()
         self._stopping = False
         self.queued_tokens = 0  # prompt tokens of every job submitted and not yet finished
@@ -154,14 +104,14 @@ class PrefillEngine:
                 for job in self._scheduler.drop_abandoned():
                     self._finish(job, Abandoned())
                 if self._stopping:
-                    for job in [*self._scheduler.short, *self._scheduler.long]:
+                    for job in self._scheduler.waiting():
                         self._finish(job, Abandoned("the prefill engine shut down"))
                     return
                 jobs = self._scheduler.next_pass()
             if not jobs:
                 continue
             try:
-                if jobs[0].cache is not None or len(jobs[0].token_ids) > self._scheduler.chunk_tokens:
+                if self._scheduler.is_long(jobs[0]):
                     self._run_chunk(jobs[0])
                 else:
                     self._run_batch(jobs)
@@ -226,14 +176,12 @@ class PrefillEngine:
 
     def _end_long(self, job: PrefillJob) -> None:
         with self._wake:
-            if job in self._scheduler.long:
-                self._scheduler.finished_long(job)
+            self._scheduler.finished_long(job)
         job.cache = None
 
     def _deliver_all(self, job: PrefillJob, cache: WatchedCache, row: int) -> None:
-        width = len(job.token_ids)
-        for layer, kv in enumerate(cache.layers):
-            job.deliver(layer, kv.keys[row, :, :width], kv.values[row, :, :width])  # type: ignore[union-attr,index]
+        for layer, (keys, values) in enumerate(cached_layers(cache, row, len(job.token_ids))):
+            job.deliver(layer, keys, values)
 
     def _finish(self, job: PrefillJob, result: Prefilled | BaseException) -> None:
         with self._wake:

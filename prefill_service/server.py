@@ -59,7 +59,7 @@ class PrefillConfig:
                              "and only for a float32 model")
         if not 0 < self.chunk_bytes <= MAX_MESSAGE_BYTES // 2:
             raise ValueError(f"--chunk-bytes {self.chunk_bytes}: must be in (0, {MAX_MESSAGE_BYTES // 2}]")
-        for flag, value in (("--prefill-chunk", self.prefill_chunk), ("--batch-tokens", self.batch_tokens),
+        for flag, value in (("--prefill-chunk", self.prefill_chunk), ("--prefill-batch-tokens", self.batch_tokens),
                             ("--max-queued-tokens", self.max_queued_tokens)):
             if value < 1:
                 raise ValueError(f"{flag} {value}: must be >= 1")
@@ -88,7 +88,7 @@ class PrefillConfig:
         group.add_argument("--prefill-chunk", type=int, default=256,
                            help="prompts longer than this run in passes of this many tokens, taking turns with "
                            "short prompts (default: %(default)s)")
-        group.add_argument("--batch-tokens", type=int, default=256,
+        group.add_argument("--prefill-batch-tokens", type=int, dest="batch_tokens", default=256,
                            help="short prompts share one forward pass while the padded batch holds at most this "
                            "many tokens (default: %(default)s)")
         group.add_argument("--max-queued-tokens", type=int, default=65536,

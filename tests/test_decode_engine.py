@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import decode_service.engine as engine_module
 from decode_service.engine import DecodeEngine, Sequence
 from model_runner import forward
 from model_runner.kv_cache import pieces_of
@@ -30,14 +31,19 @@ class _Stream:
     """One sequence in the engine, with its tokens as they are emitted."""
 
     def __init__(self, engine: DecodeEngine, runner: LoadedModel, prompt: list[int], sampling: SamplingParams,
-                 name: str, at: dict[int, Callable[[], None]] | None = None) -> None:
-        logits, kv = forward.prefill(runner, prompt)
-        self.tokens = [sample(logits, sampling, position=len(prompt))]
+                 name: str, at: dict[int, Callable[[], None]] | None = None, colocated: bool = False) -> None:
+        self.tokens: list[int] = []
         self.finish = ""
         self.progress = threading.Condition()
         self.at = at or {}  # token count -> hook run on the engine thread, inside the step that reached it
         self.seq = Sequence(request_id=name, prompt_len=len(prompt), max_tokens=MAX_TOKENS, sampling=sampling,
-                            stop_token_ids=frozenset(), emit=self._emit, tokens=list(self.tokens))
+                            stop_token_ids=frozenset(), emit=self._emit)
+        if colocated:  # the engine prefills it
+            engine.submit_prompt(self.seq, prompt)
+            return
+        logits, kv = forward.prefill(runner, prompt)
+        self.tokens = [sample(logits, sampling, position=len(prompt))]
+        self.seq.tokens = list(self.tokens)
         engine.submit(self.seq, pieces_of(kv), release=lambda: None)
 
     def _emit(self, token_ids: list[int], reason: str) -> None:
@@ -94,4 +100,30 @@ def test_joining_and_leaving_a_running_batch_changes_no_sequence_tokens(runner: 
     assert first.tokens == expected[0] and first.finish == "length"
     assert late.tokens == expected[2] and late.finish == "length"
     assert leaver.tokens == expected[1][:3] and not leaver.finish  # aborted: left without a finish
+    assert engine.live_sequences == 0
+
+
+def test_colocated_prompts_batched_or_chunked_decode_as_they_do_alone(runner: LoadedModel,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    sampling = SamplingParams(temperature=0.0)
+    expected = [_alone(runner, prompt, sampling) for prompt in PROMPTS]
+    passes: list[list[int]] = []
+
+    def counting_pass(runner: LoadedModel, prompts: list[list[int]], cache: object) -> torch.Tensor:
+        passes.append([len(prompt) for prompt in prompts])
+        return forward.prefill_pass(runner, prompts, cache)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine_module, "prefill_pass", counting_pass)
+    engine = DecodeEngine(runner, max_seqs=4, prefill_chunk=16)
+    # all queued before the engine starts: the short two share a pass
+    streams = [_Stream(engine, runner, prompt, sampling, f"colocated-{index}", colocated=True)
+               for index, prompt in enumerate(PROMPTS)]
+    engine.start()
+    try:
+        for stream in streams:
+            stream.wait_for()
+    finally:
+        engine.stop()
+    assert [stream.tokens for stream in streams] == expected
+    assert [5, 10] in passes and passes.count([16]) == 2 and [8] in passes  # 40 tokens in chunks of 16
     assert engine.live_sequences == 0

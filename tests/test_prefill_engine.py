@@ -12,7 +12,8 @@ import prefill_service.engine as engine_module
 from model_runner import forward
 from model_runner.loading import LoadedModel, ModelConfig
 from model_runner.sampling import SamplingParams
-from prefill_service.engine import Abandoned, Prefilled, PrefillEngine, PrefillJob, QueueFull, Scheduler
+from model_runner.scheduling import PromptScheduler
+from prefill_service.engine import Abandoned, Prefilled, PrefillEngine, PrefillJob, QueueFull
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -26,7 +27,7 @@ def _lengths(jobs: list[PrefillJob]) -> list[int]:
 
 
 def test_short_prompts_share_a_pass_while_the_padded_batch_fits() -> None:
-    scheduler = Scheduler(batch_tokens=120, chunk_tokens=64)
+    scheduler: PromptScheduler[PrefillJob] = PromptScheduler(batch_tokens=120, chunk_tokens=64)
     for length in (30, 40, 50, 10, 20):
         scheduler.add(_job(length))
     # 30, 40 pad to 2 x 40; 50 would make 3 x 50 > 120; 10 fits (3 x 40); 20 would make 4 x 40 > 120
@@ -36,7 +37,7 @@ def test_short_prompts_share_a_pass_while_the_padded_batch_fits() -> None:
 
 
 def test_a_prompt_wider_than_the_batch_budget_runs_alone() -> None:
-    scheduler = Scheduler(batch_tokens=16, chunk_tokens=64)
+    scheduler: PromptScheduler[PrefillJob] = PromptScheduler(batch_tokens=16, chunk_tokens=64)
     for length in (40, 8):
         scheduler.add(_job(length))
     assert _lengths(scheduler.next_pass()) == [40]
@@ -44,7 +45,7 @@ def test_a_prompt_wider_than_the_batch_budget_runs_alone() -> None:
 
 
 def test_long_prompts_take_turns_with_short_ones_and_run_oldest_first() -> None:
-    scheduler = Scheduler(batch_tokens=64, chunk_tokens=32)
+    scheduler: PromptScheduler[PrefillJob] = PromptScheduler(batch_tokens=64, chunk_tokens=32)
     first_long, second_long = _job(100), _job(90)
     scheduler.add(first_long)
     scheduler.add(second_long)
@@ -60,7 +61,7 @@ def test_long_prompts_take_turns_with_short_ones_and_run_oldest_first() -> None:
 
 
 def test_abandoned_prompts_leave_the_queue() -> None:
-    scheduler = Scheduler(batch_tokens=64, chunk_tokens=32)
+    scheduler: PromptScheduler[PrefillJob] = PromptScheduler(batch_tokens=64, chunk_tokens=32)
     kept, gone, gone_long = _job(5), _job(6), _job(50)
     for job in (kept, gone, gone_long):
         scheduler.add(job)
