@@ -42,6 +42,7 @@ test-fast: install
 bench: install
 	$(VENV)/bin/pdserve bench kv
 	$(VENV)/bin/pdserve bench decode
+	$(VENV)/bin/pdserve bench prefill
 	$(VENV)/bin/pdserve bench scenarios
 	$(VENV)/bin/pdserve bench interference
 

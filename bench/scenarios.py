@@ -92,8 +92,17 @@ def add_mode_args(parser: argparse.ArgumentParser, results: str) -> None:
     parser.add_argument("--colocate-below", type=int, default=0, metavar="TOKENS",
                         help="disaggregated mode: prompts shorter than this are prefilled on the decode worker "
                         "(conditional disaggregation; default: %(default)s, never)")
+    parser.add_argument("--modes", default=",".join(MODES), type=_modes,
+                        help="which modes to run, e.g. colocated when tuning the baseline (default: both)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--out", default="bench/results", help=f"directory for {results}.json and .png")
+
+
+def _modes(value: str) -> list[str]:
+    chosen = [mode.strip() for mode in value.split(",") if mode.strip()]
+    if not chosen or set(chosen) - set(MODES):
+        raise argparse.ArgumentTypeError(f"{value!r}: expected a comma-separated subset of {', '.join(MODES)}")
+    return chosen
 
 
 def start_mode(mode: str, model_dir: Path, args: argparse.Namespace) -> Cluster:
@@ -113,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model)
     results: dict[str, dict[str, Any]] = {name: {} for name in names}
     timelines: dict[str, dict[str, list[list[float]]]] = {name: {} for name in names}
-    for mode in MODES:
+    for mode in args.modes:
         cluster = start_mode(mode, model_dir, args)
         try:
             for name in names:

@@ -43,6 +43,7 @@ from kv_wire.receiver import KVReceiver, ReceivedKV
 from model_runner.forward import warm_up
 from model_runner.loading import LoadedModel, ModelConfig, add_model_args, model_config
 from pdserve import serving
+from pdserve.metrics import Metrics
 from pdserve.serving import MAX_MESSAGE_BYTES, ServerConfig, add_server_args, server_config
 from protos import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, worker_pb2
 from protos.convert import model_info, sampling_from_pb
@@ -129,6 +130,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         keep = int(config.buffer_keep_mb * (1 << 20))
         self.staging = BufferPool(shared=False, keep_bytes=keep)
         self.segments = BufferPool(shared=True, keep_bytes=keep) if config.kv_shm and buffers.SHM_DIR.is_dir() else None
+        self.metrics = Metrics(
+            gauges={
+                "pdserve_live_reservations": ("reservations waiting for or receiving KV",
+                                              lambda: self.table.count(Phase.WAITING, Phase.TRANSFERRING)),
+                "pdserve_live_sequences": ("sequences prefilling, joining or in the batch",
+                                           lambda: self.engine.live_sequences),
+                "pdserve_live_kv_bytes": ("KV bytes reserved or admitted", lambda: self.table.kv_bytes),
+                "pdserve_live_buffer_bytes": ("KV transfer buffers lent to live requests", self._buffer_bytes),
+            },
+            counters={"pdserve_cancellations": "requests whose caller cancelled or left mid-request",
+                      "pdserve_rejections": "reservations refused: no slot or KV budget"})
 
     async def Generate(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
@@ -137,6 +149,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         try:
             reservation = self.table.reserve(params)
         except CapacityExhausted as exc:
+            self.metrics.count("pdserve_rejections")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker full: {exc}")
         try:
             if params.prompt:  # colocated: prefilled here, no KV to wait for
@@ -151,6 +164,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 shm_segment=reservation.segment.name if reservation.segment else ""))
             async for token_ids, reason in self._relay(reservation, context):
                 yield decode_pb2.DecodeEvent(tokens=decode_pb2.DecodedTokens(token_ids=token_ids, finish_reason=reason))
+        except asyncio.CancelledError:
+            self.metrics.count("pdserve_cancellations")
+            raise
         finally:  # done, cancelled, expired or failed: free everything this request holds
             if reservation.sequence is not None:
                 self.engine.abort(reservation.sequence)
@@ -158,6 +174,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self.table.release(reservation)
             if reservation.transfer is not None and not reservation.transfer.done():
                 reservation.transfer.cancel()  # a KV stream still arriving for a request nobody waits for
+
+    def _buffer_bytes(self) -> int:
+        return self.staging.held_bytes + (self.segments.held_bytes if self.segments else 0)
 
     async def _lend_segment(self, reservation: Reservation) -> None:
         if self.segments is None:
@@ -320,7 +339,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             max_sequences=self.config.max_seqs,
             kv_budget_bytes=self.table.kv_budget_bytes,
             pid=os.getpid(),
-            live_buffer_bytes=self.staging.held_bytes + (self.segments.held_bytes if self.segments else 0),
+            live_buffer_bytes=self._buffer_bytes(),
         )
 
     async def _params(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext) -> DecodeParams:
@@ -385,4 +404,4 @@ async def serve(config: DecodeConfig) -> None:
         if servicer.segments is not None:
             servicer.segments.close()
 
-    await serving.serve("decode", config.server, register, shutdown)
+    await serving.serve("decode", config.server, register, shutdown, servicer.metrics)

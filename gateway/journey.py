@@ -7,6 +7,8 @@ error, or the caller's cancellation) cancels both worker calls, and each worker 
 from __future__ import annotations
 
 import asyncio
+import logging
+import random
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
@@ -18,14 +20,38 @@ from gateway.workers import Pool, Worker
 from protos import decode_pb2, prefill_pb2
 from protos.convert import sampling_to_pb
 
+log = logging.getLogger(__name__)
+
+
+# Worker statuses worth another attempt on another worker: it died or is unreachable, its queue was full, the
+# KV arrived damaged, or it failed inside. Never: the request's own faults, its deadline, or a model mismatch.
+_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DATA_LOSS,
+                        grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL})
+
 
 class GatewayError(Exception):
-    """A request failure with the status the client should see."""
+    """A request failure with the status the client should see.
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    `worker` is the worker that failed, when one did; `retryable` says whether another worker might succeed."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, worker: Worker | None = None,
+                 retryable: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.worker = worker
+        self.retryable = retryable
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_retries: int = 3  # new attempts after failures before the first token reached the client
+    max_migrations: int = 2  # moves to another decode worker after tokens were sent
+    backoff_s: float = 0.05  # the first wait; it doubles per attempt, with full jitter
+    max_backoff_s: float = 1.0
+
+    def delay(self, attempt: int) -> float:
+        return random.uniform(0, min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)))
 
 
 @dataclass
@@ -45,14 +71,63 @@ class Timings:
     kv_transfer_ms: float = 0.0
     kv_bytes: int = 0
     kv_transport: str = ""
+    retries: int = 0
+    migrations: int = 0
 
 
 def _hop_error(exc: grpc.aio.AioRpcError, hop: str, worker: Worker) -> GatewayError:
-    return GatewayError(exc.code(), f"{hop} worker {worker.address}: {exc.details()}")
+    return GatewayError(exc.code(), f"{hop} worker {worker.address}: {exc.details()}", worker,
+                        retryable=exc.code() in _RETRYABLE)
+
+
+async def run_with_failover(
+    params: GenerateParams, prefill: Pool, decode: Pool, timings: Timings, deadline: float | None,
+    colocated: bool, policy: RetryPolicy,
+) -> AsyncGenerator[Tokens, None]:
+    """`run`, retried on other workers when a worker fails, within the deadline (loop time) and the policy.
+
+    Before any token reached the caller a failure is retried from the reservation on. After, the stream
+    migrates: the tokens sent join the prompt, a new reservation and prefill take over, and the caller sees
+    one stream with no token repeated or missing."""
+    loop = asyncio.get_running_loop()
+    sent: list[int] = []
+    failed: set[str] = set()
+    while True:
+        attempt = params if not sent else params.continued(sent)
+        timeout = None if deadline is None else max(0.0, deadline - loop.time())
+        try:
+            async for tokens in run(attempt, prefill, decode, timings, timeout, colocated, frozenset(failed)):
+                sent += tokens.token_ids
+                yield tokens
+                if tokens.finish_reason:
+                    return
+            return
+        except GatewayError as exc:
+            if exc.worker is not None and exc.code == grpc.StatusCode.UNAVAILABLE:
+                exc.worker.failed()
+            if not exc.retryable:
+                raise
+            if sent:
+                if timings.migrations >= policy.max_migrations:
+                    raise
+                timings.migrations += 1
+            else:
+                if timings.retries >= policy.max_retries:
+                    raise
+                timings.retries += 1
+            if exc.worker is not None:
+                failed.add(exc.worker.address)
+            pause = policy.delay(timings.retries + timings.migrations)
+            if deadline is not None and loop.time() + pause >= deadline:
+                raise
+            log.warning("request %s: %s; %s", params.request_id, exc.message,
+                        f"migrating after {len(sent)} tokens" if sent else "retrying")
+            await asyncio.sleep(pause)
 
 
 async def reserve(
-    params: GenerateParams, pool: Pool, rpc_timeout: float | None, colocated: bool = False
+    params: GenerateParams, pool: Pool, rpc_timeout: float | None, colocated: bool = False,
+    avoid: frozenset[str] = frozenset(),
 ) -> tuple[Worker, grpc.aio.UnaryStreamCall, decode_pb2.Reservation]:
     """Open a Generate call on the first decode worker with room; its first event is the reservation.
 
@@ -62,33 +137,38 @@ async def reserve(
         sampling=sampling_to_pb(params.sampling), ignore_eos=params.ignore_eos,
         prompt_token_ids=params.prompt_ids if colocated else [])
     refusals = []
-    for worker in pool.in_turn():
+    for worker in pool.in_turn(avoid):
         call = worker.stub.Generate(request, timeout=rpc_timeout)
         try:
             event = await call.read()
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
                 raise _hop_error(exc, "decode", worker) from None
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                worker.failed()
             refusals.append(exc)
             continue
+        worker.succeeded()
         if event is grpc.aio.EOF or event.WhichOneof("event") != "reserved":
             call.cancel()
-            raise GatewayError(grpc.StatusCode.INTERNAL, f"decode worker {worker.address} sent no reservation")
+            raise GatewayError(grpc.StatusCode.INTERNAL, f"decode worker {worker.address} sent no reservation",
+                               worker, retryable=True)
         return worker, call, event.reserved
     if any(exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for exc in refusals):
         raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            "no decode capacity: every decode worker is full; retry later")
     raise GatewayError(grpc.StatusCode.UNAVAILABLE,
-                       "no decode worker reachable: " + "; ".join(e.details() or "" for e in refusals))
+                       "no decode worker reachable: " + "; ".join(e.details() or "" for e in refusals), retryable=True)
 
 
 async def run(
     params: GenerateParams, prefill: Pool, decode: Pool, timings: Timings, rpc_timeout: float | None,
-    colocated: bool = False,
+    colocated: bool = False, avoid: frozenset[str] = frozenset(),
 ) -> AsyncGenerator[Tokens, None]:
-    """The request's tokens. Colocated, one decode worker does both phases: no prefill call, no KV transfer."""
+    """The request's tokens, one attempt. Colocated, one decode worker does both phases: no prefill call, no KV
+    transfer. Workers in `avoid` (addresses that failed this request before) are tried last."""
     started = time.perf_counter()
-    decode_worker, decode_call, reservation = await reserve(params, decode, rpc_timeout, colocated)
+    decode_worker, decode_call, reservation = await reserve(params, decode, rpc_timeout, colocated, avoid)
     timings.reserve_ms = (time.perf_counter() - started) * 1e3
     if colocated:
         timings.kv_transport = "colocated"
@@ -100,7 +180,7 @@ async def run(
         finally:
             decode_call.cancel()
         return
-    prefill_worker = prefill.in_turn()[0]
+    prefill_worker = prefill.in_turn(avoid)[0]
     prefill_call = prefill_worker.stub.Prefill(prefill_pb2.PrefillRequest(
         request_id=params.request_id, token_ids=params.prompt_ids, sampling=sampling_to_pb(params.sampling),
         decode_address=decode_worker.address, reservation_token=reservation.token,
@@ -108,6 +188,7 @@ async def run(
     transfer: asyncio.Future[prefill_pb2.TransferDone] | None = None
     try:
         first, decode_read = await _first_token(prefill_call, prefill_worker, decode_call, decode_worker)
+        prefill_worker.succeeded()
         timings.prefill_queue_ms, timings.prefill_ms = first.first_token.queue_ms, first.first_token.forward_ms
         yield Tokens([first.first_token.token_id])
         transfer = asyncio.ensure_future(_prefill_event(prefill_call, prefill_worker, "transfer_done"))
@@ -157,7 +238,8 @@ async def _prefill_event(call: grpc.aio.UnaryStreamCall, worker: Worker, kind: s
     except grpc.aio.AioRpcError as exc:
         raise _hop_error(exc, "prefill", worker) from None
     if event is grpc.aio.EOF or event.WhichOneof("event") != kind:
-        raise GatewayError(grpc.StatusCode.INTERNAL, f"prefill worker {worker.address} did not send {kind}")
+        raise GatewayError(grpc.StatusCode.INTERNAL, f"prefill worker {worker.address} did not send {kind}", worker,
+                           retryable=True)
     return event
 
 
@@ -186,6 +268,7 @@ async def _decoded(
         except grpc.aio.AioRpcError as exc:
             raise _hop_error(exc, "decode", worker) from None
         if event is grpc.aio.EOF:
-            raise GatewayError(grpc.StatusCode.INTERNAL, f"decode worker {worker.address} ended without finishing")
+            raise GatewayError(grpc.StatusCode.INTERNAL, f"decode worker {worker.address} ended without finishing",
+                               worker, retryable=True)
         read = None
         yield Tokens(list(event.tokens.token_ids), event.tokens.finish_reason)

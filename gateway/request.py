@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import uuid
 from dataclasses import dataclass
@@ -27,6 +28,13 @@ class GenerateParams:
     sampling: SamplingParams
     stop: list[str]
     ignore_eos: bool
+
+    def continued(self, sent: list[int]) -> GenerateParams:
+        """The rest of this request after `sent` tokens reached the client: they become part of the prompt.
+
+        Sampling is keyed by (seed, position), and positions are unchanged, so the continuation picks the
+        tokens the uninterrupted request would have."""
+        return dataclasses.replace(self, prompt_ids=self.prompt_ids + sent, max_tokens=self.max_tokens - len(sent))
 
 
 def parse_request(

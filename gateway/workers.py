@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,16 +17,30 @@ from protos import decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
 log = logging.getLogger(__name__)
 
 
+BREAKER_OPEN_S = 1.0  # a failed worker is tried last for this long, doubling per consecutive failure
+BREAKER_MAX_OPEN_S = 30.0
+
+
 @dataclass
 class Worker:
     address: str
     channel: grpc.aio.Channel
     stub: Any  # PrefillStub or DecodeStub
     info: worker_pb2.WorkerInfo | None = None
+    failures: int = 0  # consecutive
+    suspect_until: float = 0.0  # monotonic time; until then the worker goes last
+
+    def failed(self) -> None:
+        """The worker was unreachable or broke a request: open its breaker (it is still tried as a last resort)."""
+        self.failures += 1
+        self.suspect_until = time.monotonic() + min(BREAKER_MAX_OPEN_S, BREAKER_OPEN_S * 2 ** (self.failures - 1))
+
+    def succeeded(self) -> None:
+        self.failures, self.suspect_until = 0, 0.0
 
 
 class Pool:
-    """Workers of one role, taken in round-robin order (load-aware picking comes with the failover work)."""
+    """Workers of one role, taken in round-robin order; a worker whose breaker is open goes last."""
 
     def __init__(self, role: str, addresses: list[str]) -> None:
         stub_class = prefill_pb2_grpc.PrefillStub if role == "prefill" else decode_pb2_grpc.DecodeStub
@@ -38,10 +53,13 @@ class Pool:
             self.workers.append(Worker(address, channel, stub_class(channel)))
         self._turn = itertools.count()
 
-    def in_turn(self) -> list[Worker]:
-        """Every worker once, starting from the next one in round-robin order."""
+    def in_turn(self, avoid: frozenset[str] = frozenset()) -> list[Worker]:
+        """Every worker once, starting from the next one in round-robin order. Workers whose breaker is open, and
+        then those in `avoid` (addresses that failed this request), go last."""
         start = next(self._turn) % len(self.workers)
-        return self.workers[start:] + self.workers[:start]
+        now = time.monotonic()
+        ordered = self.workers[start:] + self.workers[:start]
+        return sorted(ordered, key=lambda w: (w.address in avoid, w.suspect_until > now))  # stable
 
     async def fetch_info(self, timeout_s: float) -> None:
         """Wait until every worker answers GetInfo (they may still be loading the model)."""

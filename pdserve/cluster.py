@@ -66,9 +66,11 @@ class Service:
     process: subprocess.Popen
     address: str = ""
     cpus: set[int] | None = None  # pinned to these cores, or None
+    metrics: str = ""  # host:port of its Prometheus /metrics
 
     def summary(self) -> dict[str, object]:
-        return {"address": self.address, "pid": self.process.pid, "cpus": sorted(self.cpus) if self.cpus else None}
+        return {"address": self.address, "pid": self.process.pid, "cpus": sorted(self.cpus) if self.cpus else None,
+                "metrics": self.metrics}
 
 
 @dataclass
@@ -141,7 +143,8 @@ def _await_ready(services: list[Service], deadline: float) -> None:
             if not line:
                 waiting[fd] = service  # EOF: the next poll() reports the exit
                 continue
-            service.address = json.loads(line)["address"]
+            announced = json.loads(line)
+            service.address, service.metrics = announced["address"], announced.get("metrics", "")
 
 
 def wait_healthy(address: str, timeout_s: float) -> None:

@@ -18,6 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.metrics import Metrics
+
 MAX_MESSAGE_BYTES = 8 << 20  # KV chunks are 1 MiB by default; anything near this limit is malformed
 
 
@@ -26,10 +28,13 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 0  # 0 = a free port, reported on stdout once serving
     grace_s: float = 5.0
+    metrics_port: int = 0  # Prometheus /metrics over HTTP; 0 = a free port, reported with the address; -1 = off
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port {self.port}: expected 0..65535")
+        if not -1 <= self.metrics_port < 65536:
+            raise ValueError(f"--metrics-port {self.metrics_port}: expected -1 (off) or 0..65535")
         if self.grace_s < 0:
             raise ValueError(f"--grace {self.grace_s}: must be >= 0")
 
@@ -40,10 +45,12 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int = 0) -> N
     group.add_argument("--port", type=int, default=default_port, help="port; 0 picks a free one (default: %(default)s)")
     group.add_argument("--grace", type=float, default=5.0, dest="grace_s",
                        help="seconds in-flight calls get to finish on SIGTERM (default: %(default)s)")
+    group.add_argument("--metrics-port", type=int, default=0,
+                       help="HTTP port of Prometheus /metrics; 0 picks a free one, -1 turns it off (default: 0)")
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(host=args.host, port=args.port, grace_s=args.grace_s)
+    return ServerConfig(host=args.host, port=args.port, grace_s=args.grace_s, metrics_port=args.metrics_port)
 
 
 def configure_logging() -> None:
@@ -56,11 +63,13 @@ async def serve(
     config: ServerConfig,
     register: Callable[[grpc.aio.Server], list[str]],
     on_shutdown: Callable[[], Awaitable[None]] | None = None,
+    metrics: Metrics | None = None,
 ) -> None:
-    """Run a gRPC server until SIGINT/SIGTERM.
+    """Run a gRPC server (and its /metrics) until SIGINT/SIGTERM.
 
     `register` adds the servicers and returns their full service names. Once serving, one JSON line
-    {"role", "address", "pid"} goes to stdout: `pdserve cluster` and the tests read it to learn a free port.
+    {"role", "address", "pid", "metrics"} goes to stdout: `pdserve cluster` and the tests read it to learn the
+    free ports.
     Shutdown is ordered: health turns NOT_SERVING, new calls are refused, in-flight calls get `grace_s`, then
     `on_shutdown` releases what the service holds.
     """
@@ -82,7 +91,10 @@ async def serve(
     for name in ["", *services]:
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     address = f"{config.host}:{port}"
-    print(json.dumps({"role": role, "address": address, "pid": os.getpid()}), flush=True)
+    metrics_address = ""
+    if metrics is not None and config.metrics_port >= 0:
+        metrics_address = metrics.start(config.host, config.metrics_port)
+    print(json.dumps({"role": role, "address": address, "pid": os.getpid(), "metrics": metrics_address}), flush=True)
     logging.getLogger(role).info("serving on %s", address)
 
     stop = asyncio.Event()
@@ -95,6 +107,8 @@ async def serve(
     await server.stop(config.grace_s)
     if on_shutdown is not None:
         await on_shutdown()
+    if metrics is not None:
+        metrics.stop()
     logging.getLogger(role).info("stopped")
 
 

@@ -35,6 +35,7 @@ from model_runner import forward
 from model_runner.loading import LoadedModel, ModelConfig, add_model_args, model_config
 from model_runner.sampling import SamplingParams
 from pdserve import serving
+from pdserve.metrics import Metrics
 from pdserve.serving import MAX_MESSAGE_BYTES, ServerConfig, add_server_args, server_config
 from prefill_service.engine import Abandoned, Prefilled, PrefillEngine, PrefillJob, QueueFull
 from protos import prefill_pb2, prefill_pb2_grpc, worker_pb2
@@ -145,6 +146,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                     layer_streaming=config.layer_streaming)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._segments = SegmentMaps()
+        self.metrics = Metrics(
+            gauges={"pdserve_live_prefills": ("prompts queued or running", lambda: self.engine.live_jobs),
+                    "pdserve_queued_tokens": ("prompt tokens queued or running", lambda: self.engine.queued_tokens)},
+            counters={"pdserve_cancellations": "prefills whose caller cancelled or left mid-request",
+                      "pdserve_rejections": "prompts refused: the queue's token budget was full"})
 
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -175,6 +181,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         try:
             self.engine.submit(job)
         except QueueFull as exc:
+            self.metrics.count("pdserve_rejections")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except Abandoned as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
@@ -193,6 +200,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 kv_bytes=sender.bytes_sent, chunks=sender.chunks_sent,
                 exposed_ms=(done - ended) * 1e3, transfer_ms=(done - push.started_at) * 1e3,
                 transport=sender.transport))
+        except asyncio.CancelledError:
+            self.metrics.count("pdserve_cancellations")
+            raise
         finally:  # finished, cancelled or failed: stop computing, stop sending
             abandon.set()
             self.engine.wake()
@@ -272,4 +282,4 @@ async def serve(config: PrefillConfig) -> None:
         prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
         return [prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name]
 
-    await serving.serve("prefill", config.server, register, servicer.close)
+    await serving.serve("prefill", config.server, register, servicer.close, servicer.metrics)

@@ -35,6 +35,15 @@ def test_bench_decode_reports_step_and_floor(tiny_model_dir: Path, tmp_path: Pat
     assert (tmp_path / "decode.json").exists()
 
 
+def test_bench_prefill_reports_batching_speedup_and_chunking_cost(tiny_model_dir: Path, tmp_path: Path) -> None:
+    result = _bench("prefill", "--model", str(tiny_model_dir), "--lengths", "8,16", "--long", "40", "--chunks",
+                    "16", "--repeats", "1", "--out", str(tmp_path))
+    assert [row["length"] for row in result["batching"]] == [8, 16]
+    assert all(row["speedup"] > 0 for row in result["batching"])
+    assert result["long"]["chunked"][0]["chunk"] == 16 and result["long"]["whole_s"] > 0
+    assert (tmp_path / "prefill.png").stat().st_size > 0
+
+
 def test_bench_scenarios_runs_both_modes_and_prints_the_metrics(tiny_model_dir: Path, tmp_path: Path) -> None:
     result = _bench("scenarios", "--model", str(tiny_model_dir), "--scenarios", "smoke,batch_pressure",
                     "--scale", "0.05", "--out", str(tmp_path))

@@ -1,0 +1,50 @@
+"""Each service's Prometheus `/metrics`: live gauges read at scrape time, and counters of events.
+
+The gauges are the same counts `GetInfo` reports, so a test or an operator can watch them return to zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+
+class Metrics:
+    def __init__(self, gauges: dict[str, tuple[str, Callable[[], float]]], counters: dict[str, str]) -> None:
+        """`gauges`: name -> (help, read); `counters`: name -> help (exposed as `<name>_total`)."""
+        self.registry = CollectorRegistry(auto_describe=True)
+        for name, (doc, read) in gauges.items():
+            Gauge(name, doc, registry=self.registry).set_function(read)
+        self._counters = {name: Counter(name, doc, registry=self.registry) for name, doc in counters.items()}
+        self._server: object | None = None
+
+    def count(self, name: str, amount: float = 1) -> None:
+        if amount:
+            self._counters[name].inc(amount)
+
+    def start(self, host: str, port: int) -> str:
+        """Serve `/metrics` over HTTP on a thread; returns the address (port 0 picks a free one)."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self._server = server
+        return f"{host}:{server.server_port}"
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()  # type: ignore[attr-defined]
+            self._server.server_close()  # type: ignore[attr-defined]
+            self._server = None
+
+
+def scrape(address: str, timeout_s: float = 5.0) -> dict[str, float]:
+    """A service's samples without labels, by name (for tests and `pdserve` tools)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=timeout_s) as response:
+        text = response.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
