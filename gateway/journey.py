@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -43,12 +44,18 @@ class GatewayError(Exception):
         self.retryable = retryable
 
 
+class NoDecodeCapacity(GatewayError):
+    """Every decode worker refused the reservation for room: the request waits (`capacity_wait_s`) and asks again."""
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     max_retries: int = 3  # new attempts after failures before the first token reached the client
     max_migrations: int = 2  # moves to another decode worker after tokens were sent
     backoff_s: float = 0.05  # the first wait; it doubles per attempt, with full jitter
     max_backoff_s: float = 1.0
+    capacity_wait_s: float = 10.0  # how long a request waits for decode room before RESOURCE_EXHAUSTED
+    capacity_poll_s: float = 0.02  # the first wait before asking again; it doubles up to 0.2 s
 
     def delay(self, attempt: int) -> float:
         return random.uniform(0, min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)))
@@ -90,6 +97,7 @@ async def run_with_failover(
     migrates: the tokens sent join the prompt, a new reservation and prefill take over, and the caller sees
     one stream with no token repeated or missing."""
     loop = asyncio.get_running_loop()
+    capacity_until, poll = loop.time() + policy.capacity_wait_s, policy.capacity_poll_s
     sent: list[int] = []
     failed: set[str] = set()
     while True:
@@ -102,6 +110,12 @@ async def run_with_failover(
                 if tokens.finish_reason:
                     return
             return
+        except NoDecodeCapacity:
+            # decode capacity is reserved before any prefill starts: wait for room, as a queue would
+            if loop.time() + poll >= min(capacity_until, deadline or math.inf):
+                raise
+            await asyncio.sleep(poll)
+            poll = min(poll * 2, 0.2)
         except GatewayError as exc:
             if exc.worker is not None and exc.code == grpc.StatusCode.UNAVAILABLE:
                 exc.worker.failed()
@@ -155,8 +169,8 @@ async def reserve(
                                worker, retryable=True)
         return worker, call, event.reserved
     if any(exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for exc in refusals):
-        raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           "no decode capacity: every decode worker is full; retry later")
+        raise NoDecodeCapacity(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               "no decode capacity: every decode worker is full; retry later")
     raise GatewayError(grpc.StatusCode.UNAVAILABLE,
                        "no decode worker reachable: " + "; ".join(e.details() or "" for e in refusals), retryable=True)
 

@@ -3,7 +3,9 @@
 Life of a request here:
 1. Generate arrives: fields are checked (INVALID_ARGUMENT names the field), the prompt is tokenized, a request
    id assigned.
-2. A decode worker with room reserves a slot and KV budget (RESOURCE_EXHAUSTED when none has room).
+2. Admission: at most --max-in-flight requests run and --max-queue wait (admission.py); beyond that, or after
+   --queue-timeout, RESOURCE_EXHAUSTED with a retry-after-ms hint. A decode worker with room reserves a slot
+   and KV budget; while none has room the request waits, within the same timeout.
 3. A prefill worker runs the prompt and pushes its KV to that decode worker; the first token comes back at once.
    A worker that fails before then (dead, unreachable, queue full, damaged KV) is retried on another one, with
    backoff and jitter, within the deadline (journey.run_with_failover).
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from gateway import journey
+from gateway.admission import Admission, AdmissionConfig, Overloaded
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
 from gateway.journey import GatewayError, RetryPolicy, Timings
 from gateway.request import GenerateParams, InvalidRequest, parse_request
@@ -46,6 +49,8 @@ class GatewayConfig:
     startup_timeout_s: float = 300.0
     colocate_below: int = 0  # prompts shorter than this are prefilled by the decode worker itself
     retry: RetryPolicy = RetryPolicy()
+    admission: AdmissionConfig = AdmissionConfig()
+    poll_interval_s: float = 0.5  # how often each worker's health and load are read
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -54,6 +59,11 @@ class GatewayConfig:
             raise ValueError(f"--colocate-below {self.colocate_below}: must be >= 0")
         if self.retry.max_retries < 0 or self.retry.max_migrations < 0 or self.retry.backoff_s < 0:
             raise ValueError("--max-retries, --max-migrations and --retry-backoff must be >= 0")
+        admission = self.admission
+        if admission.max_in_flight < 1 or admission.max_queue < 0 or admission.queue_timeout_s < 0:
+            raise ValueError("--max-in-flight must be >= 1, --max-queue and --queue-timeout >= 0")
+        if self.poll_interval_s <= 0:
+            raise ValueError(f"--poll-interval {self.poll_interval_s}: must be > 0")
         for address in self.prefill + self.decode:
             host, _, port = address.rpartition(":")
             if not host or not port.isdigit():
@@ -64,7 +74,10 @@ class GatewayConfig:
         return cls(server=server_config(args), prefill=_split(args.prefill), decode=_split(args.decode),
                    model=args.model, startup_timeout_s=args.startup_timeout_s, colocate_below=args.colocate_below,
                    retry=RetryPolicy(max_retries=args.max_retries, max_migrations=args.max_migrations,
-                                     backoff_s=args.retry_backoff_s))
+                                     backoff_s=args.retry_backoff_s, capacity_wait_s=args.queue_timeout_s),
+                   admission=AdmissionConfig(max_in_flight=args.max_in_flight, max_queue=args.max_queue,
+                                             queue_timeout_s=args.queue_timeout_s),
+                   poll_interval_s=args.poll_interval_s)
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
@@ -79,6 +92,15 @@ class GatewayConfig:
         group.add_argument("--colocate-below", type=int, default=0, metavar="TOKENS",
                            help="prompts shorter than this go to a decode worker that prefills them itself "
                            "(conditional disaggregation; default: %(default)s, never)")
+        group.add_argument("--max-in-flight", type=int, default=AdmissionConfig.max_in_flight,
+                           help="requests running at once; more wait in the queue (default: %(default)s)")
+        group.add_argument("--max-queue", type=int, default=AdmissionConfig.max_queue,
+                           help="requests waiting for a place; beyond it a request is refused at once with "
+                           "RESOURCE_EXHAUSTED and a retry-after-ms hint (default: %(default)s)")
+        group.add_argument("--queue-timeout", type=float, default=AdmissionConfig.queue_timeout_s,
+                           dest="queue_timeout_s",
+                           help="seconds a request waits for a place, and then for decode room, before "
+                           "RESOURCE_EXHAUSTED (default: %(default)s)")
         group.add_argument("--max-retries", type=int, default=RetryPolicy.max_retries,
                            help="new attempts on other workers when one fails before the first token "
                            "(default: %(default)s)")
@@ -88,6 +110,9 @@ class GatewayConfig:
         group.add_argument("--retry-backoff", type=float, default=RetryPolicy.backoff_s, dest="retry_backoff_s",
                            help="first wait before a retry, seconds; doubles each time, with jitter "
                            "(default: %(default)s)")
+        group.add_argument("--poll-interval", type=float, default=0.5, dest="poll_interval_s",
+                           help="seconds between reads of each worker's health and load, which pick the least "
+                           "loaded worker and route around draining ones (default: %(default)s)")
         group.add_argument("--startup-timeout", type=float, default=300.0, dest="startup_timeout_s",
                            help="seconds to wait for every worker to answer (default: %(default)s)")
 
@@ -98,16 +123,21 @@ def _split(values: list[str]) -> list[str]:
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, tokenizer: object, model: worker_pb2.ModelInfo, prefill: Pool, decode: Pool,
-                 colocate_below: int, retry: RetryPolicy) -> None:
+                 colocate_below: int, retry: RetryPolicy, admission: AdmissionConfig) -> None:
         self.tokenizer = tokenizer
         self.model = model
         self.prefill = prefill
         self.decode = decode
         self.colocate_below = colocate_below
         self.retry = retry
+        self.admission = Admission(admission)
         self._in_flight: set[str] = set()
+        self._tasks: dict[str, asyncio.Task | None] = {}  # request id -> its Generate handler, for Cancel
+        self._cancelled: set[str] = set()  # request ids that Cancel ended
         self.metrics = Metrics(
-            gauges={"pdserve_live_requests": ("requests in flight at the gateway", lambda: len(self._in_flight))},
+            gauges={"pdserve_live_requests": ("requests in flight at the gateway, queued ones included",
+                                              lambda: len(self._in_flight)),
+                    "pdserve_queued_requests": ("requests waiting for a place", lambda: self.admission.queued)},
             counters={"pdserve_requests": "requests accepted (valid and not a duplicate id)",
                       "pdserve_cancellations": "requests the client cancelled, left or let expire",
                       "pdserve_retries": "attempts retried on another worker before the first token",
@@ -125,26 +155,51 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if params.request_id in self._in_flight:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {params.request_id!r} is in flight")
         self._in_flight.add(params.request_id)
+        self._tasks[params.request_id] = asyncio.current_task()
         self.metrics.count("pdserve_requests")
         timings = Timings()
         try:
             remaining = context.time_remaining()
             deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
-            # aclosing: if a cancel lands mid-write, the journey's worker calls are cancelled now, not at GC
-            async with contextlib.aclosing(self._generate(params, arrived, deadline, timings)) as responses:
-                async for response in responses:
-                    yield response
+            async with self.admission.slot(deadline):
+                # aclosing: if a cancel lands mid-write, the journey's worker calls are cancelled now, not at GC
+                async with contextlib.aclosing(self._generate(params, arrived, deadline, timings)) as responses:
+                    async for response in responses:
+                        yield response
+        except Overloaded as exc:
+            self.metrics.count("pdserve_rejections")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc),
+                                trailing_metadata=(("retry-after-ms", str(int(exc.retry_after_s * 1000))),))
         except GatewayError as exc:
+            hint: tuple[tuple[str, str], ...] = ()
             if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 self.metrics.count("pdserve_rejections")
-            await context.abort(exc.code, exc.message)
+                hint = (("retry-after-ms", str(int(self.admission.config.queue_timeout_s * 500) or 100)),)
+            await context.abort(exc.code, exc.message, trailing_metadata=hint)
         except asyncio.CancelledError:
             self.metrics.count("pdserve_cancellations")
+            if params.request_id in self._cancelled:  # Cancel, not the client: the client gets a status
+                await context.abort(grpc.StatusCode.CANCELLED,
+                                    f"request {params.request_id!r} was cancelled by a Cancel call")
             raise
         finally:
             self._in_flight.discard(params.request_id)
+            self._tasks.pop(params.request_id, None)
+            self._cancelled.discard(params.request_id)
             self.metrics.count("pdserve_retries", timings.retries)
             self.metrics.count("pdserve_migrations", timings.migrations)
+
+    async def Cancel(
+        self, request: gateway_pb2.CancelRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.CancelResponse:
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        task = self._tasks.get(request.request_id)
+        if task is None or task.done() or request.request_id in self._cancelled:
+            return gateway_pb2.CancelResponse(cancelled=False)
+        self._cancelled.add(request.request_id)
+        task.cancel()  # unwinds the journey exactly as a client cancel does: both worker calls are cancelled
+        return gateway_pb2.CancelResponse(cancelled=True)
 
     async def _generate(
         self, params: GenerateParams, arrived: float, deadline: float | None, timings: Timings
@@ -196,13 +251,18 @@ async def serve(config: GatewayConfig) -> None:
     prefill, decode = Pool("prefill", config.prefill), Pool("decode", config.decode)
     await asyncio.gather(prefill.fetch_info(config.startup_timeout_s), decode.fetch_info(config.startup_timeout_s))
     model = check_pairing(prefill, decode)
-    servicer = GatewayServicer(tokenizer, model, prefill, decode, config.colocate_below, config.retry)
+    servicer = GatewayServicer(tokenizer, model, prefill, decode, config.colocate_below, config.retry,
+                               config.admission)
 
     def register(server: grpc.aio.Server) -> list[str]:
         gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
         return [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name]
 
+    polls = [asyncio.ensure_future(pool.poll(config.poll_interval_s)) for pool in (prefill, decode) if pool.workers]
+
     async def shutdown() -> None:
+        for poll in polls:
+            poll.cancel()
         await prefill.close()
         await decode.close()
 

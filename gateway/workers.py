@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.serving import MAX_MESSAGE_BYTES
 from protos import decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
@@ -29,6 +30,20 @@ class Worker:
     info: worker_pb2.WorkerInfo | None = None
     failures: int = 0  # consecutive
     suspect_until: float = 0.0  # monotonic time; until then the worker goes last
+    health: Any = None  # grpc.health.v1 stub
+    serving: bool = True  # its health check says SERVING (False while it drains or is unreachable)
+    picked: int = 0  # requests sent its way since `info` was read: the load the next poll will show
+
+    def load(self) -> tuple[float, ...]:
+        """Lower is better. Decode: running and reserved sequences, then the share of the KV budget in use.
+        Prefill: prompt tokens queued or running. Both count the requests sent since the last poll."""
+        info = self.info
+        if info is None:
+            return (float(self.picked),)
+        if info.role == "decode":
+            used = info.live_kv_bytes / info.kv_budget_bytes if info.kv_budget_bytes else 0.0
+            return (float(info.live_sequences + info.live_reservations + self.picked), used)
+        return (float(info.queued_tokens), float(info.live_sequences + self.picked))
 
     def failed(self) -> None:
         """The worker was unreachable or broke a request: open its breaker (it is still tried as a last resort)."""
@@ -40,7 +55,8 @@ class Worker:
 
 
 class Pool:
-    """Workers of one role, taken in round-robin order; a worker whose breaker is open goes last."""
+    """Workers of one role, least loaded first (round robin among equals). A worker that drains (health
+    NOT_SERVING) or whose breaker is open goes last: it is still tried when nothing else is left."""
 
     def __init__(self, role: str, addresses: list[str]) -> None:
         stub_class = prefill_pb2_grpc.PrefillStub if role == "prefill" else decode_pb2_grpc.DecodeStub
@@ -50,16 +66,36 @@ class Pool:
         self.workers = []
         for address in addresses:
             channel = grpc.aio.insecure_channel(address, options=options)
-            self.workers.append(Worker(address, channel, stub_class(channel)))
+            self.workers.append(Worker(address, channel, stub_class(channel),
+                                       health=health_pb2_grpc.HealthStub(channel)))
         self._turn = itertools.count()
 
     def in_turn(self, avoid: frozenset[str] = frozenset()) -> list[Worker]:
-        """Every worker once, starting from the next one in round-robin order. Workers whose breaker is open, and
-        then those in `avoid` (addresses that failed this request), go last."""
+        """Every worker once, best first: not in `avoid` (addresses that failed this request), serving, breaker
+        closed, least loaded; ties in round-robin order. The first is counted as picked."""
         start = next(self._turn) % len(self.workers)
         now = time.monotonic()
         ordered = self.workers[start:] + self.workers[:start]
-        return sorted(ordered, key=lambda w: (w.address in avoid, w.suspect_until > now))  # stable
+        ordered.sort(key=lambda w: (w.address in avoid, not w.serving or w.suspect_until > now, w.load()))  # stable
+        ordered[0].picked += 1
+        return ordered
+
+    async def poll(self, every_s: float) -> None:
+        """Forever: each worker's health and load, every `every_s` (run as a task; cancel it to stop)."""
+        while True:
+            await asyncio.gather(*(self._poll_one(w, every_s) for w in self.workers))
+            await asyncio.sleep(every_s)
+
+    async def _poll_one(self, worker: Worker, timeout_s: float) -> None:
+        try:
+            health = await worker.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            worker.serving = health.status == health_pb2.HealthCheckResponse.SERVING
+            worker.info, worker.picked = await worker.stub.GetInfo(worker_pb2.WorkerInfoRequest(),
+                                                                   timeout=timeout_s), 0
+        except grpc.aio.AioRpcError as exc:
+            if worker.serving:
+                log.warning("%s worker %s: %s", self.role, worker.address, exc.details())
+            worker.serving = False
 
     async def fetch_info(self, timeout_s: float) -> None:
         """Wait until every worker answers GetInfo (they may still be loading the model)."""

@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> None:
                          help="extra flag for every prefill worker, e.g. --prefill-arg=--chunk-bytes=262144")
     cluster.add_argument("--decode-arg", action="append", default=[], metavar="FLAG",
                          help="extra flag for every decode worker, e.g. --decode-arg=--max-seqs=16")
+    cluster.add_argument("--gateway-arg", action="append", default=[], metavar="FLAG",
+                         help="extra flag for the gateway, e.g. --gateway-arg=--max-in-flight=32")
     cluster.add_argument("--demo", nargs="?", const=DEMO_PROMPT, default=None, metavar="PROMPT",
                          help="once healthy, stream one completion with its timing breakdown")
     cluster.set_defaults(run=_cluster)
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
 
     bench = commands.add_parser("bench", help="benchmarks; results as a table or JSON, plus JSON and plots on disk")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    from bench import decode, interference, kv, prefill, scenarios
+    from bench import chaos, decode, interference, kv, prefill, scenarios
 
     for name, module, summary in (
         ("kv", kv, "KV transfer: gRPC and shared-memory paths against their ceilings"),
@@ -69,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
         ("prefill", prefill, "batched and chunked prefill against one prompt at a time"),
         ("scenarios", scenarios, "six workloads, colocated against disaggregated"),
         ("interference", interference, "chat streams while long documents arrive"),
+        ("chaos", chaos, "cancel storms, killed workers, broken links and overload"),
     ):
         sub = benches.add_parser(name, help=summary, description=(module.__doc__ or "").split("\n\n")[0])
         module.add_args(sub)
@@ -90,6 +93,7 @@ def _cluster(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                device=args.device, host=args.host, gateway_port=args.port,
                                prefill_ports=_ports(args.prefill_ports), decode_ports=_ports(args.decode_ports),
                                threads=args.threads, prefill_args=tuple(args.prefill_arg),
+                               gateway_args=tuple(args.gateway_arg),
                                decode_args=tuple(args.decode_arg), pin=args.pin,
                                colocate_below=args.colocate_below)
     except ValueError as exc:

@@ -32,6 +32,7 @@ class ClusterConfig:
     threads: int = 0  # per worker; 0 = the host's cores shared out evenly
     prefill_args: tuple[str, ...] = ()  # extra flags for every prefill worker
     decode_args: tuple[str, ...] = ()  # extra flags for every decode worker
+    gateway_args: tuple[str, ...] = ()  # extra flags for the gateway
     startup_timeout_s: float = 300.0
     pin: bool = True  # give each worker its own cores when there are enough (prefill never steals decode's)
     colocate_below: int = 0  # the gateway sends prompts shorter than this to decode workers that prefill them
@@ -183,6 +184,7 @@ def start(config: ClusterConfig) -> Cluster:
         gateway_args = ["--host", config.host, "--port", str(config.gateway_port), "--model", model_dir,
                         "--colocate-below", str(config.colocate_below)]
         gateway_args += [f"--prefill={w.address}" for w in prefill] + [f"--decode={w.address}" for w in decode]
+        gateway_args += config.gateway_args
         gateway = _spawn("gateway", "gateway", gateway_args)
         workers.append(gateway)
         _await_ready([gateway], deadline)

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdserve.client import generate, stream
 from pdserve.cluster import Cluster
+from protos import gateway_pb2, gateway_pb2_grpc
 from tests.conftest import assert_nothing_held, start_cluster
 
 PROMPTS = [
@@ -216,3 +217,22 @@ def test_bfloat16_wire_halves_the_kv_bytes_and_still_generates(tiny_cluster: Clu
         assert_nothing_held(lossy_cluster)
     finally:
         lossy_cluster.stop()
+
+
+def test_cancel_by_request_id_ends_the_stream_and_frees_every_worker(tiny_cluster: Cluster) -> None:
+    address = tiny_cluster.gateway.address
+    responses = stream(address, 60, prompt=PROMPTS[3], max_tokens=400, ignore_eos=True, request_id="to-cancel")
+    next(responses)
+    with grpc.insecure_channel(address) as channel:  # another connection, as an operator's tool would use
+        gateway = gateway_pb2_grpc.GatewayStub(channel)
+        assert gateway.Cancel(gateway_pb2.CancelRequest(request_id="to-cancel"), timeout=10).cancelled
+        with pytest.raises(grpc.RpcError) as ended:
+            for _ in responses:
+                pass
+        assert ended.value.code() == grpc.StatusCode.CANCELLED
+        assert "cancelled by a Cancel call" in (ended.value.details() or "")
+        assert not gateway.Cancel(gateway_pb2.CancelRequest(request_id="to-cancel"), timeout=10).cancelled
+        with pytest.raises(grpc.RpcError) as refused:
+            gateway.Cancel(gateway_pb2.CancelRequest(), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # the leak check after the test: nothing held on any worker

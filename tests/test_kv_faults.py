@@ -19,7 +19,7 @@ from pdserve.client import generate
 from pdserve.cluster import _await_ready, _spawn, stop_all
 from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, worker_pb2
 from tests.conftest import assert_nothing_held, start_cluster
-from tests.tcp_proxy import TcpProxy
+from pdserve.faults import FaultProxy
 from tests.test_decode_handoff import GREEDY, _kv_stream, _reserve
 
 LEASE_S = 2.0
@@ -50,7 +50,7 @@ def test_killing_prefill_mid_transfer_leaves_decode_holding_nothing_once_the_lea
     cluster = start_cluster(deep_tiny_model_dir, prefill_args=prefill_args, decode_args=(f"--lease={LEASE_S}",))
     # Prefill reaches decode through a proxy that freezes after 2 KiB: the header and the first chunks get through,
     # and the rest of the 400-tensor stream (at least 10 KiB even as shm descriptors) does not.
-    proxy = TcpProxy(cluster.decode[0].address, stall_after=2048)
+    proxy = FaultProxy(cluster.decode[0].address, stall_after=2048)
     try:
         with grpc.insecure_channel(cluster.decode[0].address) as d, \
                 grpc.insecure_channel(cluster.prefill[0].address) as p:

@@ -1,0 +1,76 @@
+"""The gateway's worker pools: least loaded first, draining and failed workers last; a draining worker finishes
+what it has while new work goes elsewhere."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+
+from gateway.workers import Pool
+from pdserve.client import generate, stream
+from protos import worker_pb2
+from tests.conftest import assert_nothing_held, start_cluster
+from tests.test_failover import PROMPT, _decoding
+
+
+def _decode_pool(loads: list[int]) -> Pool:
+    pool = Pool("decode", [f"127.0.0.1:{9000 + i}" for i in range(len(loads))])
+    for worker, load in zip(pool.workers, loads):
+        worker.info = worker_pb2.WorkerInfo(role="decode", live_sequences=load, kv_budget_bytes=100)
+    return pool
+
+
+def test_the_least_loaded_worker_comes_first_and_picks_count_until_the_next_poll() -> None:
+    async def scenario() -> None:
+        pool = _decode_pool([3, 1, 2])
+        assert [w.address[-1] for w in pool.in_turn()] == ["1", "2", "0"]
+        assert [w.address[-1] for w in pool.in_turn()][0] == "1"  # 1 + 1 picked = 2: tied with "2", round robin
+        # now "1" carries 1 + 2 picked: "2" (2) goes first
+        assert pool.in_turn()[0].address.endswith("2")
+        await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_draining_failed_and_avoided_workers_go_last() -> None:
+    async def scenario() -> None:
+        pool = _decode_pool([0, 5, 5, 5])
+        idle, busy, _, avoided = pool.workers
+        idle.serving = False  # draining: health says NOT_SERVING
+        busy.failed()  # its breaker is open
+        order = pool.in_turn(avoid=frozenset({avoided.address}))
+        assert [w.address[-1] for w in order] == ["2", "0", "1", "3"]
+        busy.succeeded()
+        assert busy.suspect_until == 0 and busy.failures == 0
+        await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_draining_decode_worker_finishes_its_stream_while_new_requests_go_elsewhere(tiny_model_dir: Path) -> None:
+    cluster = start_cluster(tiny_model_dir, decode=2, decode_args=("--grace=30",),
+                            gateway_args=("--poll-interval=0.1",))
+    try:
+        address = cluster.gateway.address
+        fields = {"prompt": PROMPT, "max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
+        responses = stream(address, 60, **fields)
+        received = list(next(responses).token_ids)
+        draining = _decoding(cluster)
+        draining.process.send_signal(signal.SIGTERM)  # health turns NOT_SERVING; in-flight calls get the grace
+        time.sleep(0.3)  # a poll or two
+        for _ in range(4):
+            completion = generate(address, timeout=60, prompt="Hi", max_tokens=4)
+            assert completion.finish_reason and completion.timing.retries == 0  # routed around it, not retried
+        last = None
+        for response in responses:
+            received += response.token_ids
+            last = response
+        assert last is not None and last.finish_reason == "length" and last.timing.migrations == 0
+        assert len(received) == 400
+        draining.process.wait(timeout=30)  # it exits once its stream is done
+        cluster.decode.remove(draining)
+        assert_nothing_held(cluster)
+    finally:
+        cluster.stop()
