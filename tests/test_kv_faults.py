@@ -17,9 +17,9 @@ import pytest
 from kv_wire import buffers
 from pdserve.client import generate
 from pdserve.cluster import _await_ready, _spawn, stop_all
+from pdserve.faults import FaultProxy
 from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, worker_pb2
 from tests.conftest import assert_nothing_held, start_cluster
-from pdserve.faults import FaultProxy
 from tests.test_decode_handoff import GREEDY, _kv_stream, _reserve
 
 LEASE_S = 2.0
