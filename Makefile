@@ -45,6 +45,7 @@ bench: install
 	$(VENV)/bin/pdserve bench prefill
 	$(VENV)/bin/pdserve bench scenarios
 	$(VENV)/bin/pdserve bench interference
+	$(VENV)/bin/pdserve bench chaos
 
 lint: install
 	$(VENV)/bin/ruff check .

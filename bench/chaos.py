@@ -9,8 +9,9 @@
 - link_fault: decode workers are reached through fault proxies; one link is reset mid-transfer, the other
   blackholed for 2 s. ok: every request completes (by retry or migration) or fails with a clear status before
   its deadline, and nothing is held afterwards.
-- overload: 10x the gateway's capacity at once. ok: the excess is refused in under 50 ms (p99), the first
-  admitted requests keep their unloaded TTFT (within 2x), and the gateway's memory grows by under 50 MB.
+- overload: requests arrive at 10x the rate the cluster serves (measured first), for 3 s. ok: the excess is
+  refused in under 50 ms (p99), the first admitted requests keep their unloaded TTFT (within 2x), and the
+  gateway's memory grows by under 50 MB.
 """
 
 from __future__ import annotations
@@ -73,9 +74,14 @@ def _cluster(model: str, prefill: int = 2, decode: int = 2, decode_args: tuple[s
                                decode_args=decode_args, gateway_args=gateway_args))
 
 
+def _held(cluster: Cluster) -> dict[str, float]:
+    """Every live gauge that is not 0, as "role pid: name"."""
+    return {f"{service.role} {service.process.pid}: {name}": value for service in cluster.services
+            for name, value in scrape(service.metrics).items() if name in LIVE and value}
+
+
 def _live(cluster: Cluster) -> float:
-    return sum(value for service in cluster.services for name, value in scrape(service.metrics).items()
-               if name in LIVE)
+    return sum(_held(cluster).values())
 
 
 def _drained_within(cluster: Cluster, limit_s: float) -> float | None:
@@ -147,12 +153,14 @@ def cancel_storm(model: str, args: argparse.Namespace) -> dict[str, Any]:
             return outcomes, last_cancel
 
         outcomes, last_cancel = asyncio.run(storm())
+        held = _held(cluster)
         waited = _drained_within(cluster, 5.0)
         # seconds from the last cancel until every gauge read 0 (the storm's own wind-down included)
         drained = None if waited is None else time.monotonic() - last_cancel
         after = asyncio.run(_after(cluster.gateway.address))
         return {"requests": args.cancels, **outcomes, "drained_after_last_cancel_s": drained,
-                "normal_request_after": after, "ok": drained is not None and drained <= 1.0 and after == "OK"}
+                "held_when_checked": held, "normal_request_after": after,
+                "ok": drained is not None and drained <= 1.0 and after == "OK"}
     finally:
         cluster.stop()
 
@@ -165,12 +173,18 @@ async def _after(address: str) -> str:
 
 async def _streams(
     address: str, requests: list[gateway_pb2.GenerateRequest], deadline_s: float,
-    during: Callable[[], None] | None = None, after_s: float = 0.0,
+    during: Callable[[], None] | None = None, after_s: float = 0.0, every_s: float = 0.0,
 ) -> list[tuple[list[int], str, float]]:
-    """Run `requests` at once; `during()` runs `after_s` seconds in (in a thread, off the event loop)."""
+    """Run `requests`, one every `every_s` (0: all at once); `during()` runs `after_s` seconds in (in a thread,
+    off the event loop)."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
-        runs = asyncio.gather(*(_stream(stub, request, deadline_s) for request in requests))
+
+        async def arrive(index: int, request: gateway_pb2.GenerateRequest) -> tuple[list[int], str, float]:
+            await asyncio.sleep(index * every_s)
+            return await _stream(stub, request, deadline_s)
+
+        runs = asyncio.gather(*(arrive(i, request) for i, request in enumerate(requests)))
         if during is not None:
             await asyncio.sleep(after_s)
             await asyncio.to_thread(during)
@@ -225,8 +239,8 @@ def kill_prefill(model: str, args: argparse.Namespace) -> dict[str, Any]:
 def link_fault(model: str, args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(3)
     deadline_s = 30.0
-    requests = [_greedy(_prompt(rng, rng.randrange(64, 400)), args.max_tokens) for _ in range(args.streams)]
-    cluster = _cluster(model, decode_args=("--lease=3",))
+    requests = [_greedy(_prompt(rng, rng.randrange(16, 128)), args.max_tokens) for _ in range(args.streams)]
+    cluster = _cluster(model, decode_args=("--lease=10",))
     proxies = [FaultProxy(service.address) for service in cluster.decode]
     # a second gateway that reaches the decode workers (and sends prefill to them) through the proxies
     gateway = _spawn("gateway", "gateway", ["--host", "127.0.0.1", "--port", "0", "--model", model,
@@ -265,21 +279,25 @@ def overload(model: str, args: argparse.Namespace) -> dict[str, Any]:
             status = Path(f"/proc/{cluster.gateway.process.pid}/status").read_text()
             return int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1]) / 1024
 
+        # capacity: requests per second the cluster serves with every place taken
+        started = time.perf_counter()
         baseline = asyncio.run(_streams(cluster.gateway.address,
                                         [_greedy(_prompt(rng, 64), 8) for _ in range(running)], 120))
+        capacity = running / (time.perf_counter() - started)
         before = rss_mb()
-        flood = [_greedy(_prompt(rng, 64), 8) for _ in range(10 * (running + queued))]
-        got = asyncio.run(_streams(cluster.gateway.address, flood, 120))
+        every = 1 / (10 * capacity)  # arrivals at 10x that rate, for 3 s (at most 400 requests)
+        flood = [_greedy(_prompt(rng, 64), 8) for _ in range(max(4 * (running + queued), min(400, int(3 / every))))]
+        got = asyncio.run(_streams(cluster.gateway.address, flood, 120, every_s=every))
         growth = rss_mb() - before
         refused = [seconds for _, status, seconds in got if status == "RESOURCE_EXHAUSTED"]
         admitted = sorted(seconds for _, status, seconds in got if status == "OK")
         base_ttft = percentile([seconds for _, _, seconds in baseline], 50)
         first_admitted = percentile(admitted[:running], 50) if admitted else float("inf")
         refusal_p99 = percentile(refused, 99) if refused else 0.0
-        return {"sent": len(flood), "admitted": len(admitted), "refused": len(refused),
-                "other": len(flood) - len(admitted) - len(refused), "refusal_p99_s": refusal_p99,
-                "baseline_ttft_p50_s": base_ttft, "first_admitted_ttft_p50_s": first_admitted,
-                "gateway_rss_growth_mb": growth,
+        return {"capacity_rps": capacity, "arrival_rps": 1 / every, "sent": len(flood), "admitted": len(admitted),
+                "refused": len(refused), "other": len(flood) - len(admitted) - len(refused),
+                "refusal_p99_s": refusal_p99, "baseline_ttft_p50_s": base_ttft,
+                "first_admitted_ttft_p50_s": first_admitted, "gateway_rss_growth_mb": growth,
                 "ok": bool(refused) and refusal_p99 < 0.05 and first_admitted <= 2 * base_ttft and growth < 50
                 and len(admitted) + len(refused) == len(flood)}
     finally:

@@ -176,8 +176,8 @@ async def _one(stub: gateway_pb2_grpc.GatewayStub, record: Record, prompt: list[
                 record.token_times += [now] * len(response.token_ids)
             return
         except grpc.aio.AioRpcError as exc:
-            # Every decode slot taken: retry as a client would (the gateway has no queue yet, issue 5); the
-            # wait counts in this request's TTFT.
+            # Refused after the gateway's queue timeout (every decode slot taken all along): retry as a client
+            # would; the wait counts in this request's TTFT.
             if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or record.token_times:
                 raise
             await asyncio.sleep(0.05)

@@ -37,7 +37,7 @@ from decode_service.reservations import (
     ReservationTable,
 )
 from kv_wire import buffers, codec
-from kv_wire.buffers import BufferPool
+from kv_wire.buffers import Buffer, BufferPool
 from kv_wire.layout import DEFAULT_CHUNK_BYTES, KVTransferError
 from kv_wire.receiver import KVReceiver, ReceivedKV
 from model_runner.forward import warm_up
@@ -181,9 +181,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def _lend_segment(self, reservation: Reservation) -> None:
         if self.segments is None:
             return
+        pool = self.segments
+        acquiring = asyncio.ensure_future(
+            asyncio.to_thread(pool.acquire, reservation.params.prompt_tokens * self.spec.kv_bytes_per_token))
         try:
-            segment = await asyncio.to_thread(self.segments.acquire,
-                                              reservation.params.prompt_tokens * self.spec.kv_bytes_per_token)
+            segment = await asyncio.shield(acquiring)
+        except asyncio.CancelledError:
+            # The request ended while the segment was being made; the thread still finishes: take it back then.
+            def give_back(done: asyncio.Future[Buffer]) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    pool.release(done.result())
+
+            acquiring.add_done_callback(give_back)
+            raise
         except OSError as exc:  # /dev/shm full or unavailable: this request's KV comes over gRPC
             log.warning("no shared-memory segment for request %r: %s", reservation.params.request_id, exc)
             return

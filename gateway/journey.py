@@ -25,9 +25,12 @@ log = logging.getLogger(__name__)
 
 
 # Worker statuses worth another attempt on another worker: it died or is unreachable, its queue was full, the
-# KV arrived damaged, or it failed inside. Never: the request's own faults, its deadline, or a model mismatch.
+# KV arrived damaged or not within decode's lease, it failed inside, or it ended the call itself (CANCELLED
+# from a worker: the gateway's own cancel never arrives as a status). Never: the request's own faults or a model
+# mismatch. The client's deadline and cancel end the request itself, and a retry never starts past the deadline.
 _RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DATA_LOSS,
-                        grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL})
+                        grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED,
+                        grpc.StatusCode.CANCELLED})
 
 
 class GatewayError(Exception):
@@ -36,12 +39,13 @@ class GatewayError(Exception):
     `worker` is the worker that failed, when one did; `retryable` says whether another worker might succeed."""
 
     def __init__(self, code: grpc.StatusCode, message: str, worker: Worker | None = None,
-                 retryable: bool = False) -> None:
+                 retryable: bool = False, suspects: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.worker = worker
         self.retryable = retryable
+        self.suspects = suspects  # more addresses a retry should avoid
 
 
 class NoDecodeCapacity(GatewayError):
@@ -131,6 +135,7 @@ async def run_with_failover(
                 timings.retries += 1
             if exc.worker is not None:
                 failed.add(exc.worker.address)
+            failed.update(exc.suspects)
             pause = policy.delay(timings.retries + timings.migrations)
             if deadline is not None and loop.time() + pause >= deadline:
                 raise
@@ -238,7 +243,11 @@ async def _first_token(
     if not first.done() and decode_read.exception() is not None:
         first.cancel()
         exc = decode_read.exception()
-        raise _hop_error(exc, "decode", decode_worker) if isinstance(exc, grpc.aio.AioRpcError) else exc  # type: ignore[misc]
+        if not isinstance(exc, grpc.aio.AioRpcError):
+            raise exc  # type: ignore[misc]
+        error = _hop_error(exc, "decode", decode_worker)
+        error.suspects = (prefill_worker.address,)  # the KV never came: the prefill worker or its link is as likely
+        raise error
     try:
         return await first, decode_read  # decode's tokens may come first by a hair; prefill's token still follows
     except BaseException:

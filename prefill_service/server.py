@@ -102,7 +102,7 @@ class _KVPush:
 
     def __init__(self, channel: grpc.aio.Channel, sender: KVSender, abandon: threading.Event) -> None:
         self._transfer_kv, self.sender, self._abandon = codec.transfer_kv(channel), sender, abandon
-        self._items: asyncio.Queue[tuple[int, torch.Tensor, torch.Tensor] | int] = asyncio.Queue()
+        self._items: asyncio.Queue[tuple[int, torch.Tensor, torch.Tensor] | int | None] = asyncio.Queue()
         self.call: asyncio.Future | None = None
         self.started_at = 0.0
 
@@ -127,6 +127,8 @@ class _KVPush:
     async def _drain(self) -> AsyncIterator[tuple[int, torch.Tensor, torch.Tensor] | int]:
         while True:
             item = await self._items.get()
+            if item is None:  # cancelled: end the request stream, so gRPC's task reading it ends too
+                return
             yield item
             if isinstance(item, int):
                 return
@@ -134,6 +136,7 @@ class _KVPush:
     def cancel(self) -> None:
         if self.call is not None and not self.call.done():
             self.call.cancel()
+            self._items.put_nowait(None)
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):

@@ -69,3 +69,13 @@ def test_bench_interference_reports_chats_documents_and_goodput(tiny_model_dir: 
             assert m[key] >= 0, key
         assert m["chats"] == 4 and 0 <= m["chats_within_slo"] <= 4 and m["slo"] == {"ttft_s": 2.0, "tpot_s": 0.2}
     assert (tmp_path / "interference.png").stat().st_size > 0
+
+
+def test_bench_chaos_runs_every_experiment_and_reports_ok(tiny_model_dir: Path, tmp_path: Path) -> None:
+    result = _bench("chaos", "--model", str(tiny_model_dir), "--cancels", "20", "--streams", "4", "--max-tokens", "8",
+                    "--out", str(tmp_path))
+    assert set(result) == {"cancel_storm", "kill_decode", "kill_prefill", "link_fault", "overload"}
+    assert all(isinstance(r["ok"], bool) for r in result.values())
+    assert result["cancel_storm"]["requests"] == 20 and result["kill_decode"]["streams"] == 4
+    assert result["overload"]["refused"] > 0  # the flood is 10x what the tiny cluster serves
+    assert json.loads((tmp_path / "chaos.json").read_text()) == result

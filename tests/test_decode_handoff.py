@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -157,3 +159,45 @@ def test_bad_decode_request_is_invalid_argument(decode) -> None:
         next(decode.Generate(decode_pb2.DecodeRequest(request_id="x", prompt_tokens=0, max_tokens=1, sampling=GREEDY),
                              timeout=10))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_request_cancelled_while_its_segment_is_being_made_gets_it_back(tiny_model_dir: Path) -> None:
+    """The cancel storm found this: the segment's thread finished after the request had gone, and nobody
+    returned the segment to its pool."""
+    from decode_service.reservations import DecodeParams
+    from decode_service.server import DecodeConfig, DecodeServicer
+    from model_runner.loading import ModelConfig
+    from model_runner.sampling import SamplingParams
+    from pdserve.serving import ServerConfig
+
+    config = DecodeConfig(server=ServerConfig(), model=ModelConfig(model=str(tiny_model_dir)), kv_warm_mb=0)
+    servicer = DecodeServicer(config, config.model.load())
+    assert servicer.segments is not None
+    pool = servicer.segments
+    made = threading.Event()
+
+    def slow_acquire(nbytes: int) -> object:
+        time.sleep(0.3)
+        try:
+            return type(pool).acquire(pool, nbytes)
+        finally:
+            made.set()
+
+    pool.acquire = slow_acquire  # type: ignore[method-assign]
+
+    async def cancel_mid_acquire() -> None:
+        reservation = servicer.table.reserve(DecodeParams("r", 8, 4, SamplingParams(temperature=0.0), False))
+        lending = asyncio.ensure_future(servicer._lend_segment(reservation))
+        await asyncio.sleep(0.05)
+        lending.cancel()
+        await asyncio.gather(lending, return_exceptions=True)
+        assert await asyncio.to_thread(made.wait, 5)
+        await asyncio.sleep(0.05)  # the done callback runs on the loop
+        servicer.table.release(reservation)
+
+    try:
+        asyncio.run(cancel_mid_acquire())
+        assert pool.held_bytes == 0
+    finally:
+        pool.close()
+        servicer.staging.close()
