@@ -3,8 +3,8 @@
 - cancel_storm: requests on a 2-prefill, 2-decode cluster, each cancelled at a random moment (queued, reserving,
   prefilling, transferring or decoding). ok: every live gauge on every service is 0 within 1 s of the last
   cancel, and a normal request succeeds afterwards.
-- kill_decode: greedy streams run; one of two decode workers is SIGKILLed. ok: all complete, token for token
-  identical to an uninterrupted run.
+- kill_decode: greedy streams run; one of two decode workers is SIGKILLed once half of them have tokens. ok:
+  all complete, token for token identical to an uninterrupted run.
 - kill_prefill: requests arrive; one of two prefill workers is SIGKILLed. ok: all complete.
 - link_fault: decode workers are reached through fault proxies; one link is reset mid-transfer, the other
   blackholed for 2 s. ok: every request completes (by retry or migration) or fails with a clear status before
@@ -31,7 +31,7 @@ import grpc
 
 from bench.scenarios import percentile
 from model_runner.loading import DEFAULT_MODEL, resolve_model
-from pdserve.cluster import Cluster, ClusterConfig, _await_ready, _spawn, start, stop_all, wait_healthy
+from pdserve.cluster import Cluster, ClusterConfig, Service, _await_ready, _spawn, start, stop_all, wait_healthy
 from pdserve.faults import FaultProxy
 from pdserve.metrics import scrape
 from protos import gateway_pb2, gateway_pb2_grpc
@@ -80,6 +80,11 @@ def _held(cluster: Cluster) -> dict[str, float]:
             for name, value in scrape(service.metrics).items() if name in LIVE and value}
 
 
+def _failovers(gateway: Service) -> dict[str, int]:
+    samples = scrape(gateway.metrics)
+    return {"retries": int(samples["pdserve_retries_total"]), "migrations": int(samples["pdserve_migrations_total"])}
+
+
 def _live(cluster: Cluster) -> float:
     return sum(_held(cluster).values())
 
@@ -99,13 +104,16 @@ def _prompt(rng: random.Random, tokens: int) -> list[int]:
 
 
 async def _stream(stub: gateway_pb2_grpc.GatewayStub, request: gateway_pb2.GenerateRequest,
-                  deadline_s: float) -> tuple[list[int], str, float]:
-    """(token ids, final status name, seconds to the first token or to the failure)."""
+                  deadline_s: float, on_first: Callable[[], None] | None = None) -> tuple[list[int], str, float]:
+    """(token ids, final status name, seconds to the first token or to the failure); `on_first()` runs when
+    the first token arrives."""
     tokens: list[int] = []
     started = time.perf_counter()
     first = 0.0
     try:
         async for response in stub.Generate(request, timeout=deadline_s):
+            if not first and on_first is not None:
+                on_first()
             first = first or time.perf_counter() - started
             tokens += response.token_ids
         return tokens, "OK", first
@@ -174,19 +182,31 @@ async def _after(address: str) -> str:
 async def _streams(
     address: str, requests: list[gateway_pb2.GenerateRequest], deadline_s: float,
     during: Callable[[], None] | None = None, after_s: float = 0.0, every_s: float = 0.0,
+    once_streaming: int = 0,
 ) -> list[tuple[list[int], str, float]]:
-    """Run `requests`, one every `every_s` (0: all at once); `during()` runs `after_s` seconds in (in a thread,
-    off the event loop)."""
+    """Run `requests`, one every `every_s` (0: all at once). `during()` runs (in a thread, off the event loop)
+    `after_s` seconds in, or once `once_streaming` streams have received a token."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
+        streaming = 0
+        enough = asyncio.Event()
+
+        def first_token() -> None:
+            nonlocal streaming
+            streaming += 1
+            if streaming >= once_streaming:
+                enough.set()
 
         async def arrive(index: int, request: gateway_pb2.GenerateRequest) -> tuple[list[int], str, float]:
             await asyncio.sleep(index * every_s)
-            return await _stream(stub, request, deadline_s)
+            return await _stream(stub, request, deadline_s, first_token)
 
         runs = asyncio.gather(*(arrive(i, request) for i, request in enumerate(requests)))
         if during is not None:
             await asyncio.sleep(after_s)
+            if once_streaming:
+                waiting: list[asyncio.Future[Any]] = [runs, asyncio.ensure_future(enough.wait())]
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             await asyncio.to_thread(during)
         return list(await runs)
 
@@ -203,13 +223,15 @@ def kill_decode(model: str, args: argparse.Namespace) -> dict[str, Any]:
             victim.process.send_signal(signal.SIGKILL)
             victim.process.wait(timeout=10)
 
-        got = asyncio.run(_streams(cluster.gateway.address, requests, 300, kill, after_s=1.5))
+        # killed once half the streams are under way, so some migrate mid-stream and others retry
+        got = asyncio.run(_streams(cluster.gateway.address, requests, 300, kill, once_streaming=len(requests) // 2))
         cluster.decode.remove(victim)
         identical = sum(g[0] == e[0] and g[1] == "OK" for g, e in zip(got, expected))
         completed = sum(g[1] == "OK" for g in got)
         drained = _drained_within(cluster, 5.0)
         return {"streams": len(requests), "completed": completed, "identical": identical,
-                "reference_ok": sum(e[1] == "OK" for e in expected), "drained_s": drained,
+                "reference_ok": sum(e[1] == "OK" for e in expected), **_failovers(cluster.gateway),
+                "drained_s": drained,
                 "ok": identical == len(requests) and drained is not None}
     finally:
         cluster.stop()
@@ -230,7 +252,7 @@ def kill_prefill(model: str, args: argparse.Namespace) -> dict[str, Any]:
         cluster.prefill.remove(victim)
         completed = sum(status == "OK" and len(tokens) == 8 for tokens, status, _ in got)
         drained = _drained_within(cluster, 5.0)
-        return {"requests": len(requests), "completed": completed, "drained_s": drained,
+        return {"requests": len(requests), "completed": completed, **_failovers(cluster.gateway), "drained_s": drained,
                 "ok": completed == len(requests) and drained is not None}
     finally:
         cluster.stop()
@@ -259,8 +281,8 @@ def link_fault(model: str, args: argparse.Namespace) -> dict[str, Any]:
             statuses[status] = statuses.get(status, 0) + 1
         clear = all(status == "OK" or status in CLEAR_STATUSES for _, status, _ in got)
         drained = _drained_within(cluster, 10.0)
-        return {"requests": len(requests), "statuses": statuses, "elapsed_s": elapsed, "deadline_s": deadline_s,
-                "drained_s": drained,
+        return {"requests": len(requests), "statuses": statuses, **_failovers(gateway), "elapsed_s": elapsed,
+                "deadline_s": deadline_s, "drained_s": drained,
                 "ok": clear and elapsed < deadline_s + 1 and drained is not None}
     finally:
         stop_all([gateway], grace_s=5)
