@@ -167,7 +167,8 @@ def cancel_storm(model: str, args: argparse.Namespace) -> dict[str, Any]:
         drained = None if waited is None else time.monotonic() - last_cancel
         after = asyncio.run(_after(cluster.gateway.address))
         return {"requests": args.cancels, **outcomes, "drained_after_last_cancel_s": drained,
-                "held_when_checked": held, "normal_request_after": after,
+                "held_when_checked": held, "held_after_5_s": {} if waited is not None else _held(cluster),
+                "normal_request_after": after,
                 "ok": drained is not None and drained <= 1.0 and after == "OK"}
     finally:
         cluster.stop()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import grpc
 
 from gateway.request import GenerateParams
-from gateway.workers import Pool, Worker
+from gateway.workers import PairBreakers, Pool, Worker
 from protos import decode_pb2, prefill_pb2
 from protos.convert import sampling_to_pb
 
@@ -93,7 +93,7 @@ def _hop_error(exc: grpc.aio.AioRpcError, hop: str, worker: Worker) -> GatewayEr
 
 async def run_with_failover(
     params: GenerateParams, prefill: Pool, decode: Pool, timings: Timings, deadline: float | None,
-    colocated: bool, policy: RetryPolicy,
+    colocated: bool, policy: RetryPolicy, pairs: PairBreakers | None = None,
 ) -> AsyncGenerator[Tokens, None]:
     """`run`, retried on other workers when a worker fails, within the deadline (loop time) and the policy.
 
@@ -108,7 +108,7 @@ async def run_with_failover(
         attempt = params if not sent else params.continued(sent)
         timeout = None if deadline is None else max(0.0, deadline - loop.time())
         try:
-            async for tokens in run(attempt, prefill, decode, timings, timeout, colocated, frozenset(failed)):
+            async for tokens in run(attempt, prefill, decode, timings, timeout, colocated, frozenset(failed), pairs):
                 sent += tokens.token_ids
                 yield tokens
                 if tokens.finish_reason:
@@ -182,10 +182,11 @@ async def reserve(
 
 async def run(
     params: GenerateParams, prefill: Pool, decode: Pool, timings: Timings, rpc_timeout: float | None,
-    colocated: bool = False, avoid: frozenset[str] = frozenset(),
+    colocated: bool = False, avoid: frozenset[str] = frozenset(), pairs: PairBreakers | None = None,
 ) -> AsyncGenerator[Tokens, None]:
     """The request's tokens, one attempt. Colocated, one decode worker does both phases: no prefill call, no KV
     transfer. Workers in `avoid` (addresses that failed this request before) are tried last."""
+    pairs = pairs or PairBreakers()
     started = time.perf_counter()
     decode_worker, decode_call, reservation = await reserve(params, decode, rpc_timeout, colocated, avoid)
     timings.reserve_ms = (time.perf_counter() - started) * 1e3
@@ -199,7 +200,9 @@ async def run(
         finally:
             decode_call.cancel()
         return
-    prefill_worker = prefill.in_turn(avoid)[0]
+    # a prefill worker whose path to this decode worker failed lately goes last, like a failed worker
+    broken = frozenset(w.address for w in prefill.workers if pairs.is_open(w.address, decode_worker.address))
+    prefill_worker = prefill.in_turn(avoid | broken)[0]
     prefill_call = prefill_worker.stub.Prefill(prefill_pb2.PrefillRequest(
         request_id=params.request_id, token_ids=params.prompt_ids, sampling=sampling_to_pb(params.sampling),
         decode_address=decode_worker.address, reservation_token=reservation.token,
@@ -220,9 +223,16 @@ async def run(
                     await asyncio.wait([transfer], timeout=1.0)
                 if transfer.done() and not transfer.cancelled() and transfer.exception() is None:
                     _record_transfer(timings, transfer.result())
+                    pairs.succeeded(prefill_worker.address, decode_worker.address)
             yield tokens
             if tokens.finish_reason:
                 break
+    except GatewayError as exc:
+        transferred = (transfer is not None and transfer.done() and not transfer.cancelled()
+                       and transfer.exception() is None)
+        if exc.retryable and not transferred and exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            pairs.failed(prefill_worker.address, decode_worker.address)  # the handoff between them broke
+        raise
     finally:
         decode_call.cancel()
         prefill_call.cancel()

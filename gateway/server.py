@@ -32,7 +32,7 @@ from gateway.admission import Admission, AdmissionConfig, Overloaded
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
 from gateway.journey import GatewayError, RetryPolicy, Timings
 from gateway.request import GenerateParams, InvalidRequest, parse_request
-from gateway.workers import Pool, check_pairing
+from gateway.workers import PairBreakers, Pool, check_pairing
 from model_runner.loading import DEFAULT_MODEL, resolve_model
 from pdserve import serving
 from pdserve.metrics import Metrics
@@ -131,6 +131,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.colocate_below = colocate_below
         self.retry = retry
         self.admission = Admission(admission)
+        self.pairs = PairBreakers()
         self._in_flight: set[str] = set()
         self._tasks: dict[str, asyncio.Task | None] = {}  # request id -> its Generate handler, for Cancel
         self._cancelled: set[str] = set()  # request ids that Cancel ended
@@ -212,7 +213,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # aclosing: a stop string ends the loop early, and the journey must cancel its worker calls right then
         colocated = not self.prefill.workers or len(params.prompt_ids) < self.colocate_below
         journey_ = journey.run_with_failover(params, self.prefill, self.decode, timings, deadline, colocated,
-                                             self.retry)
+                                             self.retry, self.pairs)
         async with contextlib.aclosing(journey_) as pieces:
             async for tokens in pieces:
                 generated += len(tokens.token_ids)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import itertools
 import logging
+import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,21 +57,93 @@ class Worker:
         self.failures, self.suspect_until = 0, 0.0
 
 
+class PairBreakers:
+    """Breakers for prefill -> decode paths: two workers that each answer may still fail to hand KV over (a
+    broken link between them). A failed pair is tried last for a while, doubling per consecutive failure."""
+
+    def __init__(self) -> None:
+        self._pairs: dict[tuple[str, str], tuple[int, float]] = {}  # (prefill, decode) -> (failures, open until)
+
+    def failed(self, prefill: str, decode: str) -> None:
+        failures = self._pairs.get((prefill, decode), (0, 0.0))[0] + 1
+        self._pairs[prefill, decode] = failures, time.monotonic() + min(
+            BREAKER_MAX_OPEN_S, BREAKER_OPEN_S * 2 ** (failures - 1))
+
+    def succeeded(self, prefill: str, decode: str) -> None:
+        self._pairs.pop((prefill, decode), None)
+
+    def is_open(self, prefill: str, decode: str) -> bool:
+        return self._pairs.get((prefill, decode), (0, 0.0))[1] > time.monotonic()
+
+
+Resolver = Callable[[str, int], list[str]]  # (host, port) -> IP addresses
+
+
+def resolve(host: str, port: int) -> list[str]:
+    """Every address `host` resolves to (a DNS name of a worker pool resolves to many)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return sorted({str(info[4][0]) for info in infos})
+
+
 class Pool:
     """Workers of one role, least loaded first (round robin among equals). A worker that drains (health
-    NOT_SERVING) or whose breaker is open goes last: it is still tried when nothing else is left."""
+    NOT_SERVING) or whose breaker is open goes last: it is still tried when nothing else is left.
 
-    def __init__(self, role: str, addresses: list[str]) -> None:
-        stub_class = prefill_pb2_grpc.PrefillStub if role == "prefill" else decode_pb2_grpc.DecodeStub
+    An address may name a host that resolves to several workers: the pool holds one worker per address it
+    resolves to, and `refresh` re-resolves it, adding workers (unused until a poll finds them serving the
+    pool's model) and dropping workers that are gone."""
+
+    def __init__(self, role: str, addresses: list[str], resolver: Resolver = resolve) -> None:
+        self.role = role
+        self.names = addresses
+        self._resolver = resolver
+        self.workers: list[Worker] = []
+        self.fingerprint = ""  # the model every worker must serve, once known
+        self._turn = itertools.count()
+        self._resolved: dict[str, list[str]] = {}  # name -> the addresses it last resolved to
+        for address in self._resolve():
+            self.workers.append(self._worker(address))
+
+    def _worker(self, address: str) -> Worker:
+        stub_class = prefill_pb2_grpc.PrefillStub if self.role == "prefill" else decode_pb2_grpc.DecodeStub
         options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-        self.role = role
-        self.workers = []
-        for address in addresses:
-            channel = grpc.aio.insecure_channel(address, options=options)
-            self.workers.append(Worker(address, channel, stub_class(channel),
-                                       health=health_pb2_grpc.HealthStub(channel)))
-        self._turn = itertools.count()
+        channel = grpc.aio.insecure_channel(address, options=options)
+        return Worker(address, channel, stub_class(channel), health=health_pb2_grpc.HealthStub(channel))
+
+    def _resolve(self) -> list[str]:
+        addresses: list[str] = []
+        for name in self.names:
+            host, _, port = name.rpartition(":")
+            try:
+                ipaddress.ip_address(host.strip("[]"))
+                found = [name]  # an IP literal: one worker
+            except ValueError:
+                try:
+                    found = [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+                             for ip in self._resolver(host, int(port))]
+                except OSError as exc:  # unresolvable now: keep what it resolved to before
+                    log.warning("%s pool %s: %s", self.role, name, exc)
+                    found = self._resolved.get(name, [])
+            self._resolved[name] = found
+            addresses += [address for address in found if address not in addresses]
+        return addresses
+
+    async def refresh(self) -> None:
+        """Re-resolve the pool's names: new addresses join (serving once polled), vanished ones leave."""
+        current = {w.address: w for w in self.workers}
+        wanted = self._resolve()
+        for address in wanted:
+            if address not in current:
+                worker = self._worker(address)
+                worker.serving = False  # until a poll finds it healthy and serving the pool's model
+                self.workers.append(worker)
+                log.info("%s worker %s joined the pool", self.role, address)
+        for address, worker in current.items():
+            if address not in wanted and len(self.workers) > 1:
+                self.workers.remove(worker)
+                await worker.channel.close()
+                log.info("%s worker %s left the pool", self.role, address)
 
     def in_turn(self, avoid: frozenset[str] = frozenset()) -> list[Worker]:
         """Every worker once, best first: not in `avoid` (addresses that failed this request), serving, breaker
@@ -80,39 +155,70 @@ class Pool:
         ordered[0].picked += 1
         return ordered
 
-    async def poll(self, every_s: float) -> None:
-        """Forever: each worker's health and load, every `every_s` (run as a task; cancel it to stop)."""
+    async def poll(self, every_s: float, resolve_every_s: float = 30.0) -> None:
+        """Forever: each worker's health and load, every `every_s`, and the pool's names re-resolved every
+        `resolve_every_s` (run as a task; cancel it to stop)."""
+        loop = asyncio.get_running_loop()
+        resolved_at = loop.time()
         while True:
-            await asyncio.gather(*(self._poll_one(w, every_s) for w in self.workers))
+            if loop.time() - resolved_at >= resolve_every_s:
+                await self.refresh()
+                resolved_at = loop.time()
+            await asyncio.gather(*(self._poll_one(w, every_s) for w in list(self.workers)))
             await asyncio.sleep(every_s)
 
     async def _poll_one(self, worker: Worker, timeout_s: float) -> None:
         try:
             health = await worker.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            info = await worker.stub.GetInfo(worker_pb2.WorkerInfoRequest(), timeout=timeout_s)
+            if self.fingerprint and info.model.fingerprint != self.fingerprint:
+                if worker.serving or worker.info is None:
+                    log.error("%s worker %s serves another model (%s %s): not used", self.role, worker.address,
+                              info.model.name, info.model.dtype)
+                worker.info, worker.serving = info, False
+                return
             worker.serving = health.status == health_pb2.HealthCheckResponse.SERVING
-            worker.info, worker.picked = await worker.stub.GetInfo(worker_pb2.WorkerInfoRequest(),
-                                                                   timeout=timeout_s), 0
+            worker.info, worker.picked = info, 0
         except grpc.aio.AioRpcError as exc:
             if worker.serving:
                 log.warning("%s worker %s: %s", self.role, worker.address, exc.details())
             worker.serving = False
 
-    async def fetch_info(self, timeout_s: float) -> None:
-        """Wait until every worker answers GetInfo (they may still be loading the model)."""
-        async def one(worker: Worker) -> None:
-            deadline = asyncio.get_running_loop().time() + timeout_s
+    async def fetch_info(self, timeout_s: float, stragglers_s: float = 10.0) -> None:
+        """Wait until a worker answers GetInfo (they may still be loading the model), and give the rest
+        `stragglers_s` more: one that has not answered by then starts out of rotation, until a poll finds it."""
+        loop = asyncio.get_running_loop()
+
+        async def one(worker: Worker, deadline: float) -> None:
             while True:
                 try:
                     worker.info = await worker.stub.GetInfo(worker_pb2.WorkerInfoRequest(), timeout=5,
                                                             wait_for_ready=True)
                     return
                 except grpc.aio.AioRpcError as exc:
-                    if asyncio.get_running_loop().time() > deadline:
+                    if loop.time() > deadline:
                         raise RuntimeError(
                             f"{self.role} worker {worker.address} did not answer: {exc.details()}") from None
                     await asyncio.sleep(0.5)
 
-        await asyncio.gather(*(one(w) for w in self.workers))
+        deadline = loop.time() + timeout_s
+        asks = {asyncio.ensure_future(one(w, deadline)): w for w in self.workers}
+        try:
+            pending = set(asks)
+            while pending and not any(w.info for w in self.workers):
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if not any(w.info for w in self.workers) and not pending:
+                    next(iter(done)).result()  # nobody answered: raise the last refusal
+            if pending:
+                await asyncio.wait(pending, timeout=stragglers_s)
+        finally:
+            for ask in asks:
+                ask.cancel()
+        for worker in self.workers:
+            if worker.info is None:
+                worker.serving = False
+                log.warning("%s worker %s has not answered yet; out of rotation until it does", self.role,
+                            worker.address)
 
     async def close(self) -> None:
         for worker in self.workers:
@@ -121,7 +227,7 @@ class Pool:
 
 def check_pairing(prefill: Pool, decode: Pool) -> worker_pb2.ModelInfo:
     """Prefill and decode must serve the same model, revision and dtype; returns that model."""
-    workers = prefill.workers + decode.workers
+    workers = [w for w in prefill.workers + decode.workers if w.info is not None]
     first = workers[0].info
     assert first is not None
     for worker in workers:
@@ -132,4 +238,5 @@ def check_pairing(prefill: Pool, decode: Pool) -> worker_pb2.ModelInfo:
                 f"{worker.info.model.dtype} (fingerprint {worker.info.model.fingerprint}), but "
                 f"{first.role} worker {workers[0].address} serves {first.model.name} {first.model.dtype} "
                 f"(fingerprint {first.model.fingerprint})")
+    prefill.fingerprint = decode.fingerprint = first.model.fingerprint  # workers that join later must match
     return first.model

@@ -8,8 +8,9 @@ import signal
 import time
 from pathlib import Path
 
-from gateway.workers import Pool
+from gateway.workers import PairBreakers, Pool
 from pdserve.client import generate, stream
+from pdserve.cluster import _await_ready, _spawn, stop_all
 from protos import worker_pb2
 from tests.conftest import assert_nothing_held, start_cluster
 from tests.test_failover import PROMPT, _decoding
@@ -73,4 +74,53 @@ def test_a_draining_decode_worker_finishes_its_stream_while_new_requests_go_else
         cluster.decode.remove(draining)
         assert_nothing_held(cluster)
     finally:
+        cluster.stop()
+
+
+def test_a_dns_name_becomes_one_worker_per_address_and_is_re_resolved() -> None:
+    answers = {"workers.internal": ["10.0.0.1", "10.0.0.2"]}
+
+    def resolver(host: str, port: int) -> list[str]:
+        if host not in answers:
+            raise OSError(f"{host}: name not known")
+        return answers[host]
+
+    async def scenario() -> None:
+        pool = Pool("decode", ["workers.internal:7000", "127.0.0.1:7001"], resolver=resolver)
+        assert [w.address for w in pool.workers] == ["10.0.0.1:7000", "10.0.0.2:7000", "127.0.0.1:7001"]
+        answers["workers.internal"] = ["10.0.0.2", "10.0.0.3"]  # one replaced
+        await pool.refresh()
+        by_address = {w.address: w for w in pool.workers}
+        assert set(by_address) == {"10.0.0.2:7000", "10.0.0.3:7000", "127.0.0.1:7001"}
+        assert not by_address["10.0.0.3:7000"].serving  # joins the rotation once a poll finds it serving
+        del answers["workers.internal"]  # DNS down: keep what it resolved to last
+        await pool.refresh()
+        assert {w.address for w in pool.workers} == set(by_address)
+        await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_prefill_to_decode_path_is_tried_last_until_it_works() -> None:
+    pairs = PairBreakers()
+    assert not pairs.is_open("p1", "d1")
+    pairs.failed("p1", "d1")
+    assert pairs.is_open("p1", "d1") and not pairs.is_open("p2", "d1") and not pairs.is_open("p1", "d2")
+    pairs.succeeded("p1", "d1")
+    assert not pairs.is_open("p1", "d1")
+
+
+def test_a_gateway_given_host_names_resolves_them(tiny_model_dir: Path) -> None:
+    cluster = start_cluster(tiny_model_dir)
+    gateway = None
+    try:
+        names = [f"--{role}=localhost:{service.address.rsplit(':', 1)[1]}"
+                 for role, services in (("prefill", cluster.prefill), ("decode", cluster.decode))
+                 for service in services]
+        gateway = _spawn("gateway", "gateway", ["--port", "0", "--model", str(tiny_model_dir), *names])
+        _await_ready([gateway], time.monotonic() + 120)
+        assert generate(gateway.address, timeout=60, prompt="Hi", max_tokens=4).finish_reason
+    finally:
+        if gateway is not None:
+            stop_all([gateway], grace_s=5)
         cluster.stop()
