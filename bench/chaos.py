@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import signal
 import sys
@@ -29,6 +28,7 @@ from typing import Any
 
 import grpc
 
+from bench.report import publish
 from bench.scenarios import percentile
 from model_runner.loading import DEFAULT_MODEL, resolve_model
 from pdserve.cluster import Cluster, ClusterConfig, Service, _await_ready, _spawn, start, stop_all, wait_healthy
@@ -61,11 +61,7 @@ def run(args: argparse.Namespace) -> int:
     for name in names:
         results[name] = EXPERIMENTS[name](model, args)
         print(f"bench chaos: {name} ok={results[name]['ok']}", file=sys.stderr, flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "chaos.json").write_text(json.dumps(results, indent=2) + "\n")
-    print(json.dumps(results) if args.json else _table(results))
-    return 0
+    return publish(args, "chaos", results, lambda: _table(results))
 
 
 def _cluster(model: str, prefill: int = 2, decode: int = 2, decode_args: tuple[str, ...] = (),

@@ -10,15 +10,14 @@ measured in turn; the first is the headline (`step_ms`, `floor_ms` in --json).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench.report import publish
 from model_runner import forward
 from model_runner.kv_cache import SlotKVCache
 from model_runner.loading import DEFAULT_MODEL, LoadedModel, ModelConfig
@@ -47,11 +46,7 @@ def run(args: argparse.Namespace) -> int:
     head = variants[0]
     result = {"step_ms": head["step_ms"], "floor_ms": head["floor_ms"], "batch": args.batch, "context": args.context,
               "threads": args.threads, "read_gbps": read_gbps, "variants": variants}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "decode.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result) if args.json else _table(result))
-    return 0
+    return publish(args, "decode", result, lambda: _table(result))
 
 
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:

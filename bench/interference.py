@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
-from pathlib import Path
 from typing import Any
 
+from bench.report import publish
 from bench.scenarios import Request, add_mode_args, drive, metrics, percentile, plot, scaled, start_mode
 from model_runner.loading import resolve_model
 
@@ -71,12 +70,8 @@ def run(args: argparse.Namespace) -> int:
             "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot}, "colocate_below": args.colocate_below,
         }
         print(f"bench interference: {mode} done", file=sys.stderr, flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "interference.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot({"interference": result}, {"interference": timelines}, out / "interference.png")
-    print(json.dumps(result) if args.json else _table(result))
-    return 0
+    return publish(args, "interference", result, lambda: _table(result),
+                   lambda path: plot({"interference": result}, {"interference": timelines}, path))
 
 
 def _table(result: dict[str, Any]) -> str:

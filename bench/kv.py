@@ -36,6 +36,7 @@ import grpc
 import numpy as np
 import torch
 
+from bench.report import publish
 from kv_wire import codec
 from kv_wire.buffers import SegmentMaps
 from kv_wire.layout import DEFAULT_CHUNK_BYTES, KVLayout
@@ -75,12 +76,7 @@ def run(args: argparse.Namespace) -> int:
     tokens = [int(t) for t in args.tokens.split(",")]
     model_dir = resolve_model(args.model)
     result = asyncio.run(_bench(args, model_dir, tokens))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "kv.json").write_text(json.dumps(result, indent=2) + "\n")
-    _plot(result, out / "kv.png")
-    print(json.dumps(result) if args.json else _table(result))
-    return 0
+    return publish(args, "kv", result, lambda: _table(result), lambda path: _plot(result, path))
 
 
 async def _bench(args: argparse.Namespace, model_dir: Path, tokens: list[int]) -> dict[str, Any]:

@@ -9,7 +9,6 @@ Every measurement is the best of `--repeats`, measured side by side in one run, 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from bench.report import publish
 from model_runner.forward import prefill_pass
 from model_runner.loading import DEFAULT_MODEL, LoadedModel, ModelConfig
 
@@ -71,12 +71,7 @@ def run(args: argparse.Namespace) -> int:
         chunking.append({"chunk": chunk, "seconds": seconds, "over_whole": seconds / whole})
     result: dict[str, Any] = {"threads": args.threads, "batching": batching,
                               "long": {"tokens": args.long, "whole_s": whole, "chunked": chunking}}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "prefill.json").write_text(json.dumps(result, indent=2) + "\n")
-    _plot(result, out / "prefill.png")
-    print(json.dumps(result) if args.json else _table(result))
-    return 0
+    return publish(args, "prefill", result, lambda: _table(result), lambda path: _plot(result, path))
 
 
 def _one_by_one(runner: LoadedModel, prompts: list[list[int]]) -> None:

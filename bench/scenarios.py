@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -28,6 +27,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from bench.report import publish
 from model_runner.loading import DEFAULT_MODEL, resolve_model
 from pdserve.cluster import Cluster, ClusterConfig, start
 from protos import gateway_pb2, gateway_pb2_grpc
@@ -134,14 +134,10 @@ def run(args: argparse.Namespace) -> int:
                       file=sys.stderr, flush=True)
         finally:
             cluster.stop()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     document = {"machine": {"cores": len(os.sched_getaffinity(0))}, "scale": args.scale, "max_seqs": args.max_seqs,
                 "prefill_chunk": args.prefill_chunk, "scenarios": results}
-    (out / "scenarios.json").write_text(json.dumps(document, indent=2) + "\n")
-    plot(results, timelines, out / "scenarios.png")
-    print(json.dumps(results) if args.json else _table(results))
-    return 0
+    return publish(args, "scenarios", results, lambda: _table(results), lambda path: plot(results, timelines, path),
+                   document)
 
 
 @dataclass
