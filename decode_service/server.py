@@ -26,6 +26,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 
 from decode_service.engine import FAILED, DecodeEngine, Sequence
 from decode_service.reservations import (
@@ -42,7 +44,7 @@ from kv_wire.layout import DEFAULT_CHUNK_BYTES, KVTransferError
 from kv_wire.receiver import KVReceiver, ReceivedKV
 from model_runner.forward import warm_up
 from model_runner.loading import LoadedModel, ModelConfig, add_model_args, model_config
-from pdserve import serving
+from pdserve import serving, tracing
 from pdserve.metrics import Metrics
 from pdserve.serving import MAX_MESSAGE_BYTES, ServerConfig, add_server_args, server_config
 from protos import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, worker_pb2
@@ -145,6 +147,25 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Generate(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.DecodeEvent]:
+        with tracing.tracer.start_as_current_span(
+            "decode", context=tracing.incoming(context.invocation_metadata()), kind=SpanKind.SERVER,
+            attributes={"pdserve.request_id": request.request_id, "pdserve.prompt_tokens": request.prompt_tokens,
+                        "pdserve.colocated": bool(request.prompt_token_ids)},
+        ) as span:
+            generated = 0
+            async for event in self._generate(request, context):
+                if event.WhichOneof("event") == "reserved":
+                    span.add_event("reserved")
+                else:
+                    generated += len(event.tokens.token_ids)
+                    if event.tokens.finish_reason:
+                        span.set_attribute("pdserve.finish_reason", event.tokens.finish_reason)
+                span.set_attribute("pdserve.output_tokens", generated)
+                yield event
+
+    async def _generate(
+        self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[decode_pb2.DecodeEvent]:
         params = await self._params(request, context)
         try:
             reservation = self.table.reserve(params)
@@ -243,6 +264,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self, request_iterator: AsyncIterator[codec.Received], context: grpc.aio.ServicerContext
     ) -> kv_transfer_pb2.KVTransferAck:
         receiver = KVReceiver(self.spec, self.config.max_chunk_bytes, self.staging)
+        span = _Spans()
+        try:
+            return await self._transfer_kv(request_iterator, context, receiver, span)
+        finally:
+            span.end(receiver)
+
+    async def _transfer_kv(
+        self, request_iterator: AsyncIterator[codec.Received], context: grpc.aio.ServicerContext,
+        receiver: KVReceiver, span: _Spans,
+    ) -> kv_transfer_pb2.KVTransferAck:
         reservation: Reservation | None = None
         try:
             # A stream must present its header within the lease and finish by the reservation's expiry.
@@ -252,6 +283,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     raise receiver.fail(grpc.StatusCode.INVALID_ARGUMENT, first.reason)
                 if not isinstance(first, kv_transfer_pb2.KVTransfer) or first.WhichOneof("part") != "header":
                     raise receiver.fail(grpc.StatusCode.INVALID_ARGUMENT, "a KV stream must start with a header")
+                span.start(first.header)  # a child of prefill's send span: the header carries its context
                 reservation = self.table.claim(first.header.request_id, first.header.reservation_token)
                 reservation.transfer = asyncio.current_task()  # released mid-stream: this handler is cancelled
                 deadline.reschedule(_loop_time(reservation.expires_at))
@@ -377,6 +409,26 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         return DecodeParams(request.request_id, request.prompt_tokens, request.max_tokens, sampling,
                             request.ignore_eos, tuple(request.prompt_token_ids))
+
+
+class _Spans:
+    """The KV stream's receive span, started once the header names its parent (prefill's send span)."""
+
+    def __init__(self) -> None:
+        self.span: trace.Span | None = None
+
+    def start(self, header: kv_transfer_pb2.KVHeader) -> None:
+        self.span = tracing.tracer.start_span(
+            "kv.receive", context=tracing.incoming(dict(header.trace_context)), kind=SpanKind.SERVER,
+            attributes={"pdserve.request_id": header.request_id, "pdserve.prompt_tokens": header.num_tokens,
+                        "pdserve.transport": "shm" if header.shm else "grpc", "pdserve.dtype": header.dtype})
+
+    def end(self, receiver: KVReceiver) -> None:
+        if self.span is not None:
+            self.span.set_attributes({"pdserve.kv_bytes": receiver.bytes_received,
+                                      "pdserve.chunks": receiver.chunks_received,
+                                      "pdserve.state": receiver.state.name})
+            self.span.end()
 
 
 def _loop_time(monotonic_deadline: float) -> float:

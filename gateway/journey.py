@@ -15,9 +15,11 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
 
 from gateway.request import GenerateParams
 from gateway.workers import PairBreakers, Pool, Worker
+from pdserve import tracing
 from protos import decode_pb2, prefill_pb2
 from protos.convert import sampling_to_pb
 
@@ -141,6 +143,8 @@ async def run_with_failover(
                 raise
             log.warning("request %s: %s; %s", params.request_id, exc.message,
                         f"migrating after {len(sent)} tokens" if sent else "retrying")
+            trace.get_current_span().add_event("migration" if sent else "retry", {
+                "pdserve.error": exc.message, "pdserve.status": exc.code.name, "pdserve.tokens_sent": len(sent)})
             await asyncio.sleep(pause)
 
 
@@ -157,7 +161,7 @@ async def reserve(
         prompt_token_ids=params.prompt_ids if colocated else [])
     refusals = []
     for worker in pool.in_turn(avoid):
-        call = worker.stub.Generate(request, timeout=rpc_timeout)
+        call = worker.stub.Generate(request, timeout=rpc_timeout, metadata=tracing.outgoing())
         try:
             event = await call.read()
         except grpc.aio.AioRpcError as exc:
@@ -206,7 +210,7 @@ async def run(
     prefill_call = prefill_worker.stub.Prefill(prefill_pb2.PrefillRequest(
         request_id=params.request_id, token_ids=params.prompt_ids, sampling=sampling_to_pb(params.sampling),
         decode_address=decode_worker.address, reservation_token=reservation.token,
-        shm_segment=reservation.shm_segment), timeout=rpc_timeout)
+        shm_segment=reservation.shm_segment), timeout=rpc_timeout, metadata=tracing.outgoing())
     transfer: asyncio.Future[prefill_pb2.TransferDone] | None = None
     try:
         first, decode_read = await _first_token(prefill_call, prefill_worker, decode_call, decode_worker)

@@ -26,6 +26,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry.trace import SpanKind
 
 from gateway import journey
 from gateway.admission import Admission, AdmissionConfig, Overloaded
@@ -34,7 +35,7 @@ from gateway.journey import GatewayError, RetryPolicy, Timings
 from gateway.request import GenerateParams, InvalidRequest, parse_request
 from gateway.workers import PairBreakers, Pool, check_pairing
 from model_runner.loading import DEFAULT_MODEL, resolve_model
-from pdserve import serving
+from pdserve import serving, tracing
 from pdserve.metrics import Metrics
 from pdserve.serving import ServerConfig, add_server_args, server_config
 from protos import gateway_pb2, gateway_pb2_grpc, worker_pb2
@@ -146,6 +147,35 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                       "pdserve_rejections": "requests refused for capacity (RESOURCE_EXHAUSTED)"})
 
     async def Generate(
+        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        # a client's traceparent is honoured: this span joins its trace
+        with tracing.tracer.start_as_current_span(
+            "gateway", context=tracing.incoming(context.invocation_metadata()), kind=SpanKind.SERVER,
+        ) as span:
+            generated = 0
+            try:
+                async for response in self._handle(request, context):
+                    if not generated:
+                        span.add_event("first token")
+                        span.set_attribute("pdserve.request_id", response.request_id)
+                    generated += len(response.token_ids)
+                    if response.finish_reason:
+                        span.add_event("finish", {"pdserve.finish_reason": response.finish_reason})
+                        span.set_attributes({"pdserve.prompt_tokens": response.usage.prompt_tokens,
+                                             "pdserve.retries": response.timing.retries,
+                                             "pdserve.migrations": response.timing.migrations,
+                                             "pdserve.kv_transport": response.timing.kv_transport,
+                                             "pdserve.kv_bytes": response.timing.kv_bytes})
+                    yield response
+            except asyncio.CancelledError:
+                span.add_event("cancelled", {"pdserve.phase": "decoding" if generated else "before first token",
+                                             "pdserve.tokens_sent": generated})
+                raise
+            finally:
+                span.set_attribute("pdserve.output_tokens", generated)
+
+    async def _handle(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         arrived = time.perf_counter()

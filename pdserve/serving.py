@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from pdserve import tracing
 from pdserve.metrics import Metrics
 
 MAX_MESSAGE_BYTES = 8 << 20  # KV chunks are 1 MiB by default; anything near this limit is malformed
@@ -73,6 +74,7 @@ async def serve(
     Shutdown is ordered: health turns NOT_SERVING, new calls are refused, in-flight calls get `grace_s`, then
     `on_shutdown` releases what the service holds.
     """
+    tracing.setup(role)
     options = [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -109,6 +111,7 @@ async def serve(
         await on_shutdown()
     if metrics is not None:
         metrics.stop()
+    tracing.shutdown()
     logging.getLogger(role).info("stopped")
 
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 
 from kv_wire import codec
 from kv_wire.buffers import SegmentMaps
@@ -34,7 +36,7 @@ from kv_wire.sender import KVSender, encode_stream
 from model_runner import forward
 from model_runner.loading import LoadedModel, ModelConfig, add_model_args, model_config
 from model_runner.sampling import SamplingParams
-from pdserve import serving
+from pdserve import serving, tracing
 from pdserve.metrics import Metrics
 from pdserve.serving import MAX_MESSAGE_BYTES, ServerConfig, add_server_args, server_config
 from prefill_service.engine import Abandoned, Prefilled, PrefillEngine, PrefillJob, QueueFull
@@ -158,6 +160,20 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[prefill_pb2.PrefillEvent]:
+        with tracing.tracer.start_as_current_span(
+            "prefill", context=tracing.incoming(context.invocation_metadata()), kind=SpanKind.SERVER,
+            attributes={"pdserve.request_id": request.request_id, "pdserve.prompt_tokens": len(request.token_ids),
+                        "pdserve.decode_address": request.decode_address},
+        ) as span:
+            async for event in self._prefill(request, context):
+                if event.WhichOneof("event") == "first_token":
+                    span.add_event("first token", {"pdserve.queue_ms": event.first_token.queue_ms,
+                                                   "pdserve.forward_ms": event.first_token.forward_ms})
+                yield event
+
+    async def _prefill(
+        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[prefill_pb2.PrefillEvent]:
         token_ids, sampling = await self._validate(request, context)
         loop = asyncio.get_running_loop()
         spec = self.spec
@@ -166,8 +182,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         segment = None
         if self.config.kv_shm and request.shm_segment:
             segment = self._segments.open(request.shm_segment, request.reservation_token, layout.total_bytes)
-        sender = KVSender(request.request_id, request.reservation_token, spec.fingerprint, layout,
-                          self.config.chunk_bytes, segment=segment)
+        send_span = tracing.tracer.start_span("kv.send", kind=SpanKind.CLIENT)
+        with trace.use_span(send_span):  # the KV header carries this span's context to decode's receive span
+            sender = KVSender(request.request_id, request.reservation_token, spec.fingerprint, layout,
+                              self.config.chunk_bytes, trace_context=tracing.carrier(), segment=segment)
         abandon = threading.Event()
         push = _KVPush(self._channel(request.decode_address), sender, abandon)
 
@@ -185,8 +203,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self.engine.submit(job)
         except QueueFull as exc:
             self.metrics.count("pdserve_rejections")
+            send_span.end()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except Abandoned as exc:
+            send_span.end()
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         try:
             try:
@@ -210,6 +230,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             abandon.set()
             self.engine.wake()
             push.cancel()
+            send_span.set_attributes({"pdserve.kv_bytes": sender.bytes_sent, "pdserve.chunks": sender.chunks_sent,
+                                      "pdserve.transport": sender.transport, "pdserve.state": sender.state.name})
+            send_span.end()
 
     async def _transfer_result(self, push: _KVPush, address: str, context: grpc.aio.ServicerContext) -> None:
         """Wait for decode's acknowledgement; a refused or broken transfer ends this call with its status."""

@@ -31,9 +31,12 @@ def echo() -> Iterator[str]:
 
 def _echo(conn: socket.socket) -> None:
     with conn:
-        while data := conn.recv(1 << 16):
-            conn.sendall(data)
-        conn.sendall(b"<eof>")  # tells the client the server read EOF
+        try:
+            while data := conn.recv(1 << 16):
+                conn.sendall(data)
+            conn.sendall(b"<eof>")  # tells the client the server read EOF
+        except OSError:  # the proxy reset the connection
+            return
 
 
 def _connect(proxy: FaultProxy) -> socket.socket:

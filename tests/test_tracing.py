@@ -1,0 +1,124 @@
+"""One trace per request across the three processes, received by a real OTLP gRPC trace service (what Jaeger
+accepts on 4317): the parent/child links hold across every hop, the KV transfer's send -> receive included."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.trace.v1 import trace_pb2
+
+from pdserve.client import generate
+from pdserve.cluster import Cluster
+from protos import gateway_pb2, gateway_pb2_grpc
+from tests.conftest import assert_nothing_held, start_cluster
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+
+
+class _Collector(trace_service_pb2_grpc.TraceServiceServicer):
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, trace_pb2.Span]] = []  # (service, span)
+        self._lock = threading.Lock()
+
+    def Export(self, request: trace_service_pb2.ExportTraceServiceRequest, context: object) -> object:
+        with self._lock:
+            for resource_spans in request.resource_spans:
+                service = next(a.value.string_value for a in resource_spans.resource.attributes
+                               if a.key == "service.name")
+                self.spans += [(service, span) for scope in resource_spans.scope_spans for span in scope.spans]
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def trace(self, trace_id: bytes, names: set[str], timeout_s: float = 20) -> dict[str, tuple[str, trace_pb2.Span]]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                found = {span.name: (service, span) for service, span in self.spans if span.trace_id == trace_id}
+            if names <= set(found) or time.monotonic() > deadline:
+                return found
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def traced(tiny_model_dir: Path) -> Iterator[tuple[Cluster, _Collector]]:
+    collector = _Collector()
+    server = grpc.server(ThreadPoolExecutor(4))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    with pytest.MonkeyPatch.context() as env:  # the workers inherit the standard OTEL_* variables
+        env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
+        env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+        cluster = start_cluster(tiny_model_dir, prefill=2, decode=1)
+    yield cluster, collector
+    cluster.stop()
+    server.stop(0)
+
+
+def _stream(cluster: Cluster, request_id: str, max_tokens: int,
+            trace_id: str = TRACE_ID) -> Iterator[gateway_pb2.GenerateResponse]:
+    """A request that arrives inside the client's trace `trace_id` (its span CLIENT_SPAN)."""
+    channel = grpc.insecure_channel(cluster.gateway.address)
+    call = gateway_pb2_grpc.GatewayStub(channel).Generate(
+        gateway_pb2.GenerateRequest(prompt="The capital of France is", max_tokens=max_tokens, request_id=request_id,
+                                    ignore_eos=True),
+        timeout=60, metadata=[("traceparent", f"00-{trace_id}-{CLIENT_SPAN}-01")])
+    try:
+        yield from call
+    finally:
+        call.cancel()
+        channel.close()
+
+
+def test_one_trace_links_gateway_prefill_transfer_and_decode(traced: tuple[Cluster, _Collector]) -> None:
+    cluster, collector = traced
+    responses = list(_stream(cluster, "traced-1", 4))
+    assert responses[-1].finish_reason == "length"
+    spans = collector.trace(bytes.fromhex(TRACE_ID), {"gateway", "prefill", "kv.send", "kv.receive", "decode"})
+    assert {"gateway", "prefill", "kv.send", "kv.receive", "decode"} <= set(spans)
+    (gateway_service, gateway), (prefill_service, prefill) = spans["gateway"], spans["prefill"]
+    (_, send), (receive_service, receive), (decode_service, decode) = (spans["kv.send"], spans["kv.receive"],
+                                                                        spans["decode"])
+    assert (gateway_service, prefill_service, decode_service, receive_service) == (
+        "pdserve-gateway", "pdserve-prefill", "pdserve-decode", "pdserve-decode")  # three processes
+    assert gateway.parent_span_id == bytes.fromhex(CLIENT_SPAN)  # the client's traceparent was honoured
+    assert prefill.parent_span_id == gateway.span_id and decode.parent_span_id == gateway.span_id
+    assert send.parent_span_id == prefill.span_id
+    assert receive.parent_span_id == send.span_id  # across the KV stream, prefill -> decode
+    attributes = {a.key: a.value for a in receive.attributes}
+    assert attributes["pdserve.kv_bytes"].int_value > 0 and attributes["pdserve.request_id"].string_value == "traced-1"
+    assert {e.name for e in gateway.events} >= {"first token", "finish"}
+    assert_nothing_held(cluster)
+
+
+def test_a_cancelled_and_a_retried_request_show_where_in_their_traces(traced: tuple[Cluster, _Collector]) -> None:
+    cluster, collector = traced
+    cancelled_trace = "5bf92f3577b34da6a3ce929d0e0e4736"
+    responses = _stream(cluster, "traced-cancel", 400, cancelled_trace)
+    next(responses)
+    responses.close()  # type: ignore[attr-defined]  # cancellation still propagates with tracing on
+    spans = collector.trace(bytes.fromhex(cancelled_trace), {"gateway", "decode"})
+    cancelled = [e for e in spans["gateway"][1].events if e.name == "cancelled"]
+    assert cancelled and cancelled[0].attributes[0].value.string_value == "decoding"
+    assert_nothing_held(cluster)
+
+    victim = cluster.prefill[0]
+    victim.process.send_signal(signal.SIGKILL)
+    victim.process.wait(timeout=10)
+    cluster.prefill.remove(victim)
+    retried = []
+    for attempt in range(2):  # round robin sends one of these to the dead worker
+        trace_id = f"{7 + attempt}bf92f3577b34da6a3ce929d0e0e4736"
+        assert list(_stream(cluster, f"traced-retry-{attempt}", 2, trace_id))[-1].finish_reason
+        spans = collector.trace(bytes.fromhex(trace_id), {"gateway"})
+        retried += [e for e in spans["gateway"][1].events if e.name == "retry"]
+    assert len(retried) == 1
+    assert generate(cluster.gateway.address, timeout=30, prompt="Hi", max_tokens=2).finish_reason
