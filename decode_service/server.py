@@ -40,7 +40,7 @@ from decode_service.reservations import (
 )
 from kv_wire import buffers, codec
 from kv_wire.buffers import Buffer, BufferPool
-from kv_wire.layout import DEFAULT_CHUNK_BYTES, KVTransferError
+from kv_wire.layout import DEFAULT_CHUNK_BYTES, KVTransferError, TransferState
 from kv_wire.receiver import KVReceiver, ReceivedKV
 from model_runner.forward import warm_up
 from model_runner.loading import LoadedModel, ModelConfig, add_model_args, model_config
@@ -428,6 +428,8 @@ class _Spans:
             self.span.set_attributes({"pdserve.kv_bytes": receiver.bytes_received,
                                       "pdserve.chunks": receiver.chunks_received,
                                       "pdserve.state": receiver.state.name})
+            if receiver.state is not TransferState.COMPLETE:
+                self.span.set_status(trace.Status(trace.StatusCode.ERROR, f"transfer {receiver.state.name.lower()}"))
             self.span.end()
 
 
