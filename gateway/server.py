@@ -144,7 +144,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                       "pdserve_cancellations": "requests the client cancelled, left or let expire",
                       "pdserve_retries": "attempts retried on another worker before the first token",
                       "pdserve_migrations": "streams moved to another decode worker mid-stream",
-                      "pdserve_rejections": "requests refused for capacity (RESOURCE_EXHAUSTED)"})
+                      "pdserve_rejections": "requests refused for capacity (RESOURCE_EXHAUSTED)",
+                      "pdserve_prompt_tokens": "prompt tokens of finished requests",
+                      "pdserve_generation_tokens": "tokens streamed to clients"},
+            histograms={"pdserve_time_to_first_token_seconds": "request arrival to its first token",
+                        "pdserve_inter_token_latency_seconds": "gap between two tokens of a stream",
+                        "pdserve_e2e_request_latency_seconds": "request arrival to its last token",
+                        "pdserve_queue_time_seconds": "time waiting for a place at the gateway"})
 
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -154,13 +160,23 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             "gateway", context=tracing.incoming(context.invocation_metadata()), kind=SpanKind.SERVER,
         ) as span:
             generated = 0
+            arrived = last = time.perf_counter()
             try:
                 async for response in self._handle(request, context):
+                    now = time.perf_counter()
                     if not generated:
                         span.add_event("first token")
                         span.set_attribute("pdserve.request_id", response.request_id)
+                        self.metrics.observe("pdserve_time_to_first_token_seconds", now - arrived)
+                    elif response.token_ids:  # tokens that arrive together share the gap
+                        self.metrics.observe("pdserve_inter_token_latency_seconds",
+                                             (now - last) / len(response.token_ids), len(response.token_ids))
+                    last = now
                     generated += len(response.token_ids)
+                    self.metrics.count("pdserve_generation_tokens", len(response.token_ids))
                     if response.finish_reason:
+                        self.metrics.observe("pdserve_e2e_request_latency_seconds", now - arrived)
+                        self.metrics.count("pdserve_prompt_tokens", response.usage.prompt_tokens)
                         span.add_event("finish", {"pdserve.finish_reason": response.finish_reason})
                         span.set_attributes({"pdserve.prompt_tokens": response.usage.prompt_tokens,
                                              "pdserve.retries": response.timing.retries,
@@ -192,7 +208,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             remaining = context.time_remaining()
             deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
+            queued = time.perf_counter()
             async with self.admission.slot(deadline):
+                self.metrics.observe("pdserve_queue_time_seconds", time.perf_counter() - queued)
                 # aclosing: if a cancel lands mid-write, the journey's worker calls are cancelled now, not at GC
                 async with contextlib.aclosing(self._generate(params, arrived, deadline, timings)) as responses:
                     async for response in responses:

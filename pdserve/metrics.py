@@ -7,21 +7,33 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+# Latency buckets, seconds: from a fast decode step to a long prompt's queue.
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0)
 
 
 class Metrics:
-    def __init__(self, gauges: dict[str, tuple[str, Callable[[], float]]], counters: dict[str, str]) -> None:
-        """`gauges`: name -> (help, read); `counters`: name -> help (exposed as `<name>_total`)."""
+    def __init__(self, gauges: dict[str, tuple[str, Callable[[], float]]], counters: dict[str, str],
+                 histograms: dict[str, str] | None = None) -> None:
+        """`gauges`: name -> (help, read); `counters`: name -> help (exposed as `<name>_total`); `histograms`:
+        name -> help, in seconds (LATENCY_BUCKETS)."""
         self.registry = CollectorRegistry(auto_describe=True)
         for name, (doc, read) in gauges.items():
             Gauge(name, doc, registry=self.registry).set_function(read)
         self._counters = {name: Counter(name, doc, registry=self.registry) for name, doc in counters.items()}
+        self._histograms = {name: Histogram(name, doc, registry=self.registry, buckets=LATENCY_BUCKETS)
+                            for name, doc in (histograms or {}).items()}
         self._server: object | None = None
 
     def count(self, name: str, amount: float = 1) -> None:
         if amount:
             self._counters[name].inc(amount)
+
+    def observe(self, name: str, seconds: float, times: int = 1) -> None:
+        for _ in range(times):
+            self._histograms[name].observe(seconds)
 
     def start(self, host: str, port: int) -> str:
         """Serve `/metrics` over HTTP on a thread; returns the address (port 0 picks a free one)."""

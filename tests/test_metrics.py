@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from pdserve.client import stream
+from pdserve.client import generate, stream
 from pdserve.cluster import Cluster, Service
 from pdserve.metrics import scrape
 from tests.conftest import assert_nothing_held
@@ -50,3 +50,20 @@ def test_live_gauges_follow_a_stream_and_return_to_zero_when_it_is_cancelled(tin
     decode_cancellations = sum(scrape(s.metrics)["pdserve_cancellations_total"] for s in tiny_cluster.decode)
     assert decode_cancellations >= 1
     assert_nothing_held(tiny_cluster)
+
+
+def test_latency_histograms_and_token_counters_move_when_requests_run(tiny_cluster: Cluster) -> None:
+    before = scrape(tiny_cluster.gateway.metrics)
+    completion = generate(tiny_cluster.gateway.address, timeout=60, prompt="Hi there", max_tokens=6, ignore_eos=True)
+    after = scrape(tiny_cluster.gateway.metrics)
+
+    def moved(name: str) -> float:
+        return after[name] - before[name]
+
+    assert moved("pdserve_time_to_first_token_seconds_count") == 1
+    assert moved("pdserve_e2e_request_latency_seconds_count") == 1
+    assert moved("pdserve_queue_time_seconds_count") == 1
+    assert moved("pdserve_inter_token_latency_seconds_count") == 5  # 6 tokens, 5 gaps
+    assert moved("pdserve_e2e_request_latency_seconds_sum") >= moved("pdserve_time_to_first_token_seconds_sum") > 0
+    assert moved("pdserve_generation_tokens_total") == 6
+    assert moved("pdserve_prompt_tokens_total") == completion.usage.prompt_tokens

@@ -4,6 +4,7 @@ accepts on 4317): the parent/child links hold across every hop, the KV transfer'
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -49,15 +50,20 @@ class _Collector(trace_service_pb2_grpc.TraceServiceServicer):
 
 @pytest.fixture(scope="module")
 def traced(tiny_model_dir: Path) -> Iterator[tuple[Cluster, _Collector]]:
-    collector = _Collector()
-    server = grpc.server(ThreadPoolExecutor(4))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    with socket.socket() as probe:  # a free port for the trace service
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     with pytest.MonkeyPatch.context() as env:  # the workers inherit the standard OTEL_* variables
         env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
         env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
         cluster = start_cluster(tiny_model_dir, prefill=2, decode=1)
+    # The service starts once the workers are spawned: forking a process that runs a gRPC server breaks the
+    # server's poller. Nothing is traced before the first request, and the exporters retry meanwhile.
+    collector = _Collector()
+    server = grpc.server(ThreadPoolExecutor(4))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
+    assert server.add_insecure_port(f"127.0.0.1:{port}") == port
+    server.start()
     yield cluster, collector
     cluster.stop()
     server.stop(0)
