@@ -153,15 +153,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                         "pdserve.colocated": bool(request.prompt_token_ids)},
         ) as span:
             generated = 0
-            async for event in self._generate(request, context):
-                if event.WhichOneof("event") == "reserved":
-                    span.add_event("reserved")
-                else:
-                    generated += len(event.tokens.token_ids)
-                    if event.tokens.finish_reason:
-                        span.set_attribute("pdserve.finish_reason", event.tokens.finish_reason)
+            try:
+                async for event in self._generate(request, context):
+                    if event.WhichOneof("event") == "reserved":
+                        span.add_event("reserved")
+                    else:
+                        generated += len(event.tokens.token_ids)
+                        if event.tokens.finish_reason:
+                            span.set_attribute("pdserve.finish_reason", event.tokens.finish_reason)
+                    yield event
+            finally:  # once, not per token
                 span.set_attribute("pdserve.output_tokens", generated)
-                yield event
 
     async def _generate(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext

@@ -14,11 +14,7 @@ from dataclasses import dataclass
 
 
 class Overloaded(Exception):
-    """Refused for capacity; `retry_after_s` is the hint sent to the client."""
-
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
+    """Refused for capacity (the client is told to retry after `Admission.retry_after_ms`)."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +34,11 @@ class Admission:
     def queued(self) -> int:
         return len(self._waiting)
 
+    @property
+    def retry_after_ms(self) -> int:
+        """The hint sent with a refusal for capacity: half the queue timeout, in ms (100 when that rounds to 0)."""
+        return int(self.config.queue_timeout_s * 500) or 100
+
     @contextlib.asynccontextmanager
     async def slot(self, deadline: float | None = None) -> AsyncIterator[None]:
         """Hold one of the `max_in_flight` places for the body; wait in the queue for one (bounded by the queue
@@ -55,7 +56,7 @@ class Admission:
             return
         if len(self._waiting) >= config.max_queue:
             raise Overloaded(f"gateway overloaded: {self.running} requests running and {len(self._waiting)} "
-                             "queued, the most it takes; retry later", config.queue_timeout_s / 2 or 0.1)
+                             "queued, the most it takes; retry later")
         loop = asyncio.get_running_loop()
         timeout = config.queue_timeout_s
         if deadline is not None:
@@ -68,7 +69,7 @@ class Admission:
             if turn.done():  # handed a place just as the wait ended: give it back to the next in line
                 self._leave()
             raise Overloaded(f"gateway overloaded: no place for this request within {timeout:.3g} s in the "
-                             "queue; retry later", config.queue_timeout_s / 2 or 0.1) from None
+                             "queue; retry later") from None
         except asyncio.CancelledError:
             if turn.done():
                 self._leave()

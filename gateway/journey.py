@@ -225,15 +225,14 @@ async def run(
                 # record it even if it arrived between two token reads, when nothing was waiting on it.
                 if not transfer.done():
                     await asyncio.wait([transfer], timeout=1.0)
-                if transfer.done() and not transfer.cancelled() and transfer.exception() is None:
+                if _succeeded(transfer):
                     _record_transfer(timings, transfer.result())
                     pairs.succeeded(prefill_worker.address, decode_worker.address)
             yield tokens
             if tokens.finish_reason:
                 break
     except GatewayError as exc:
-        transferred = (transfer is not None and transfer.done() and not transfer.cancelled()
-                       and transfer.exception() is None)
+        transferred = transfer is not None and _succeeded(transfer)
         if exc.retryable and not transferred and exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
             pairs.failed(prefill_worker.address, decode_worker.address)  # the handoff between them broke
         raise
@@ -278,6 +277,10 @@ async def _prefill_event(call: grpc.aio.UnaryStreamCall, worker: Worker, kind: s
         raise GatewayError(grpc.StatusCode.INTERNAL, f"prefill worker {worker.address} did not send {kind}", worker,
                            retryable=True)
     return event
+
+
+def _succeeded(future: asyncio.Future) -> bool:
+    return future.done() and not future.cancelled() and future.exception() is None
 
 
 def _record_transfer(timings: Timings, event: prefill_pb2.PrefillEvent) -> None:

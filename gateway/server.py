@@ -162,7 +162,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             generated = 0
             arrived = last = time.perf_counter()
             try:
-                async for response in self._handle(request, context):
+                async for response in self._handle(request, context, arrived):
                     now = time.perf_counter()
                     if not generated:
                         span.add_event("first token")
@@ -192,9 +192,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 span.set_attribute("pdserve.output_tokens", generated)
 
     async def _handle(
-        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext, arrived: float
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        arrived = time.perf_counter()
         try:
             params = parse_request(request, self.tokenizer, self.model.vocab_size, self.model.max_model_len)
         except InvalidRequest as exc:
@@ -217,13 +216,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         yield response
         except Overloaded as exc:
             self.metrics.count("pdserve_rejections")
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc),
-                                trailing_metadata=(("retry-after-ms", str(int(exc.retry_after_s * 1000))),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), trailing_metadata=self._retry_hint())
         except GatewayError as exc:
             hint: tuple[tuple[str, str], ...] = ()
             if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 self.metrics.count("pdserve_rejections")
-                hint = (("retry-after-ms", str(int(self.admission.config.queue_timeout_s * 500) or 100)),)
+                hint = self._retry_hint()
             await context.abort(exc.code, exc.message, trailing_metadata=hint)
         except asyncio.CancelledError:
             self.metrics.count("pdserve_cancellations")
@@ -237,6 +235,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             self._cancelled.discard(params.request_id)
             self.metrics.count("pdserve_retries", timings.retries)
             self.metrics.count("pdserve_migrations", timings.migrations)
+
+    def _retry_hint(self) -> tuple[tuple[str, str], ...]:
+        """Trailing metadata of a refusal for capacity: when to try again."""
+        return (("retry-after-ms", str(self.admission.retry_after_ms)),)
 
     async def Cancel(
         self, request: gateway_pb2.CancelRequest, context: grpc.aio.ServicerContext

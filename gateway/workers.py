@@ -25,6 +25,11 @@ BREAKER_OPEN_S = 1.0  # a failed worker is tried last for this long, doubling pe
 BREAKER_MAX_OPEN_S = 30.0
 
 
+def _open_until(failures: int) -> float:
+    """When a breaker that has seen `failures` consecutive failures closes again (monotonic time)."""
+    return time.monotonic() + min(BREAKER_MAX_OPEN_S, BREAKER_OPEN_S * 2 ** (failures - 1))
+
+
 @dataclass
 class Worker:
     address: str
@@ -51,7 +56,7 @@ class Worker:
     def failed(self) -> None:
         """The worker was unreachable or broke a request: open its breaker (it is still tried as a last resort)."""
         self.failures += 1
-        self.suspect_until = time.monotonic() + min(BREAKER_MAX_OPEN_S, BREAKER_OPEN_S * 2 ** (self.failures - 1))
+        self.suspect_until = _open_until(self.failures)
 
     def succeeded(self) -> None:
         self.failures, self.suspect_until = 0, 0.0
@@ -66,8 +71,7 @@ class PairBreakers:
 
     def failed(self, prefill: str, decode: str) -> None:
         failures = self._pairs.get((prefill, decode), (0, 0.0))[0] + 1
-        self._pairs[prefill, decode] = failures, time.monotonic() + min(
-            BREAKER_MAX_OPEN_S, BREAKER_OPEN_S * 2 ** (failures - 1))
+        self._pairs[prefill, decode] = failures, _open_until(failures)
 
     def succeeded(self, prefill: str, decode: str) -> None:
         self._pairs.pop((prefill, decode), None)

@@ -129,7 +129,7 @@ class PrefillEngine:
         streaming = self.layer_streaming
 
         def on_layer(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-            live = [(row, job) for row, job in enumerate(jobs) if not job.abandon.is_set()]
+            live = [(row, job) for row, job in enumerate(jobs) if not job.abandoned]
             if not live:
                 raise Abandoned
             if streaming:
@@ -141,7 +141,7 @@ class PrefillEngine:
         logits = prefill_pass(self.runner, [job.token_ids for job in jobs], cache)
         ended = time.perf_counter()
         for row, job in enumerate(jobs):
-            if job.abandon.is_set():
+            if job.abandoned:
                 self._finish(job, Abandoned())
                 continue
             if not streaming:
@@ -156,7 +156,7 @@ class PrefillEngine:
         streaming = self.layer_streaming and last
 
         def on_layer(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-            if job.abandon.is_set():
+            if job.abandoned:
                 raise Abandoned
             if streaming:
                 job.deliver(layer, keys[0], values[0])

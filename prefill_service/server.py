@@ -200,15 +200,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         job = PrefillJob(token_ids, sampling, deliver, finish, abandon)
         arrived = time.perf_counter()
         try:
-            self.engine.submit(job)
-        except QueueFull as exc:
-            self.metrics.count("pdserve_rejections")
-            send_span.end()
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except Abandoned as exc:
-            send_span.end()
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        try:
+            try:
+                self.engine.submit(job)
+            except QueueFull as exc:
+                self.metrics.count("pdserve_rejections")
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            except Abandoned as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             try:
                 first, started, ended = await result
             except Abandoned:
@@ -226,7 +224,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         except asyncio.CancelledError:
             self.metrics.count("pdserve_cancellations")
             raise
-        finally:  # finished, cancelled or failed: stop computing, stop sending
+        finally:  # finished, refused, cancelled or failed: stop computing, stop sending, end the span
             abandon.set()
             self.engine.wake()
             push.cancel()
