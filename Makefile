@@ -30,7 +30,7 @@ protos/%_pb2.py: protos/%.proto $(INSTALLED)
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. $<
 
 run: install
-	$(VENV)/bin/pdserve cluster --prefill 1 --decode 1 --port $(PORT) --demo
+	$(VENV)/bin/pdserve cluster --prefill 1 --decode 1 --port $(PORT) --trace-dir .pdserve/traces --demo
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -46,6 +47,11 @@ class Sequence:
     emit: Emit
     tokens: list[int] = field(default_factory=list)  # generated so far; tokens[0] came from prefill
     aborted: bool = False  # set by DecodeEngine.abort: this object, never a later request with the same id
+    # For its trace, when traced: (start, end, batch size) of every step it rode in (perf_counter), and when it
+    # was handed to the engine and when it joined the batch.
+    steps: list[tuple[float, float, int]] | None = None
+    submitted_at: float = 0.0
+    joined_at: float = 0.0
 
     @property
     def cached(self) -> int:
@@ -76,8 +82,10 @@ class _Prefill:
 
 class DecodeEngine:
     def __init__(self, runner: LoadedModel, max_seqs: int, prefill_chunk: int = 256,
-                 prefill_batch_tokens: int = 256) -> None:
+                 prefill_batch_tokens: int = 256, on_step: Callable[[float, int], None] | None = None) -> None:
+        """`on_step(seconds, batch size)` is called after every decode step (engine thread): metrics."""
         spec = runner.spec
+        self._on_step = on_step
         self.runner = runner
         self.max_len = spec.max_model_len
         self.cache = SlotKVCache(spec.num_layers, max_seqs, spec.num_kv_heads, spec.max_model_len, spec.head_dim,
@@ -104,12 +112,14 @@ class DecodeEngine:
     # Called from the event loop.
     def submit(self, seq: Sequence, kv: KVPieces, release: Callable[[], None]) -> None:
         """Queue a sequence to join at the next step; `release()` is called once `kv` was copied in (or dropped)."""
+        seq.submitted_at = time.perf_counter()
         with self._wake:
             self._joining.append((seq, kv, release))
             self._wake.notify()
 
     def submit_prompt(self, seq: Sequence, prompt: list[int]) -> None:
         """Queue a colocated request: prefill `prompt` here, emit the first token, then decode like the rest."""
+        seq.submitted_at = time.perf_counter()
         with self._wake:
             self._prefills.add(_Prefill(seq, prompt))
             self._wake.notify()
@@ -119,6 +129,11 @@ class DecodeEngine:
             seq.aborted = True
             self._abort_pending = True
             self._wake.notify()
+
+    @property
+    def running(self) -> int:
+        """Sequences in the batch."""
+        return len(self._running)
 
     @property
     def live_sequences(self) -> int:
@@ -164,6 +179,7 @@ class DecodeEngine:
                     seq.emit([], FAILED)
                     continue
                 self._running.append(seq)
+                seq.joined_at = time.perf_counter()
             finally:
                 release()
 
@@ -209,19 +225,26 @@ class DecodeEngine:
         if not reason:
             self.cache.load(len(self._running), pieces_of(kv), seq.prompt_len)
             self._running.append(seq)
+            seq.joined_at = time.perf_counter()
 
     def _step(self) -> None:
-        running = self._running
+        running, batch = self._running, len(self._running)
+        started = time.perf_counter()
         logits = decode_step(self.runner, self.cache, [s.tokens[-1] for s in running], [s.cached for s in running])
         finished = []
+        ended = time.perf_counter()
         for slot, (seq, row) in enumerate(zip(running, logits)):
             seq.tokens.append(sample(row, seq.sampling, position=seq.prompt_len + len(seq.tokens)))
             reason = seq.finish_reason(self.max_len)
             seq.emit(seq.tokens[-1:], reason)
+            if seq.steps is not None:
+                seq.steps.append((started, ended, batch))
             if reason:
                 finished.append(slot)
         self._leave(finished)
         self.steps += 1
+        if self._on_step is not None:
+            self._on_step(ended - started, batch)
 
     def _leave(self, slots: list[int]) -> None:
         """Drop sequences, refilling each freed slot with the last running sequence (one sequence's copy)."""

@@ -44,7 +44,7 @@ from kv_wire.layout import DEFAULT_CHUNK_BYTES, KVTransferError, TransferState
 from kv_wire.receiver import KVReceiver, ReceivedKV
 from model_runner.forward import warm_up
 from model_runner.loading import LoadedModel, ModelConfig, add_model_args, model_config
-from pdserve import serving, tracing
+from pdserve import logs, serving, tracing
 from pdserve.metrics import Metrics
 from pdserve.serving import MAX_MESSAGE_BYTES, ServerConfig, add_server_args, server_config
 from protos import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, worker_pb2
@@ -123,7 +123,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         spec = runner.spec
         self.config = config
         self.spec = spec
-        self.engine = DecodeEngine(runner, config.max_seqs, config.prefill_chunk, config.prefill_batch_tokens)
+        self.engine = DecodeEngine(runner, config.max_seqs, config.prefill_chunk, config.prefill_batch_tokens,
+                                   on_step=self._observe_step)
         full = config.max_seqs * spec.max_model_len * spec.kv_bytes_per_token
         budget = int(config.kv_budget_mb * (1 << 20)) if config.kv_budget_mb else full
         self.table = ReservationTable(config.max_seqs, budget, spec.kv_bytes_per_token, config.lease_s)
@@ -140,9 +141,27 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                            lambda: self.engine.live_sequences),
                 "pdserve_live_kv_bytes": ("KV bytes reserved or admitted", lambda: self.table.kv_bytes),
                 "pdserve_live_buffer_bytes": ("KV transfer buffers lent to live requests", self._buffer_bytes),
+                "pdserve_num_requests_running": ("sequences in the decode batch", lambda: self.engine.running),
+                "pdserve_num_requests_waiting": ("sequences waiting for their KV, or to join the batch",
+                                                 lambda: self.engine.live_sequences - self.engine.running
+                                                 + self.table.count(Phase.WAITING, Phase.TRANSFERRING)),
+                "pdserve_kv_cache_usage_perc": ("fraction of the KV budget reserved or in use",
+                                                lambda: self.table.kv_bytes / self.table.kv_budget_bytes),
             },
             counters={"pdserve_cancellations": "requests whose caller cancelled or left mid-request",
-                      "pdserve_rejections": "reservations refused: no slot or KV budget"})
+                      "pdserve_rejections": "reservations refused: no slot or KV budget",
+                      "pdserve_generation_tokens": "tokens decoded (the first, sampled by prefill, excluded)",
+                      "pdserve_kv_transfer_bytes": "KV bytes received, by path (grpc, shm)",
+                      "pdserve_kv_transfer_failures": "KV transfers refused or broken, by path"},
+            histograms={"pdserve_kv_transfer_seconds": "a KV stream's header to its trailer, by path",
+                        "pdserve_decode_step_seconds": "one forward pass of the decode batch",
+                        "pdserve_decode_batch_size": "sequences in a decode step",
+                        "pdserve_request_decode_time_seconds": "a sequence's time in the batch, join to finish"})
+
+    def _observe_step(self, seconds: float, batch: int) -> None:  # engine thread
+        self.metrics.observe("pdserve_decode_step_seconds", seconds)
+        self.metrics.observe("pdserve_decode_batch_size", batch)
+        self.metrics.count("pdserve_generation_tokens", batch)
 
     async def Generate(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
@@ -152,6 +171,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             attributes={"pdserve.request_id": request.request_id, "pdserve.prompt_tokens": request.prompt_tokens,
                         "pdserve.colocated": bool(request.prompt_token_ids)},
         ) as span:
+            logs.for_request(request.request_id)
             generated = 0
             try:
                 async for event in self._generate(request, context):
@@ -193,10 +213,25 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         finally:  # done, cancelled, expired or failed: free everything this request holds
             if reservation.sequence is not None:
                 self.engine.abort(reservation.sequence)
+                self._record(reservation.sequence, colocated=bool(params.prompt))
             self._take_segment_back(reservation)
             self.table.release(reservation)
             if reservation.transfer is not None and not reservation.transfer.done():
                 reservation.transfer.cancel()  # a KV stream still arriving for a request nobody waits for
+
+    def _record(self, seq: Sequence, colocated: bool) -> None:
+        """The engine's work for this sequence, as children of the current (decode) span, and its decode time."""
+        ended = seq.steps[-1][1] if seq.steps else time.perf_counter()
+        if seq.joined_at:
+            self.metrics.observe("pdserve_request_decode_time_seconds", ended - seq.joined_at)
+        log.info("released after %d tokens (%s)", len(seq.tokens), "colocated" if colocated else "KV received")
+        if seq.steps is None:
+            return
+        if seq.joined_at:  # the wait for the batch (colocated: the prefill too)
+            tracing.record("decode.prefill" if colocated else "decode.join", None, seq.submitted_at, seq.joined_at)
+        for number, (started, finished, batch) in enumerate(seq.steps, 1):
+            tracing.record("decode.step", None, started, finished,
+                           {"pdserve.step": number, "pdserve.batch_size": batch})
 
     def _buffer_bytes(self) -> int:
         return self.staging.held_bytes + (self.segments.held_bytes if self.segments else 0)
@@ -267,10 +302,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     ) -> kv_transfer_pb2.KVTransferAck:
         receiver = KVReceiver(self.spec, self.config.max_chunk_bytes, self.staging)
         span = _Spans()
+        started = time.perf_counter()
         try:
             return await self._transfer_kv(request_iterator, context, receiver, span)
         finally:
             span.end(receiver)
+            path = span.transport or "unknown"  # no header, no path
+            self.metrics.count("pdserve_kv_transfer_bytes", receiver.bytes_received, path=path)
+            if receiver.state is TransferState.COMPLETE:
+                self.metrics.observe("pdserve_kv_transfer_seconds", time.perf_counter() - started, path=path)
+            elif receiver.failure not in (None, grpc.StatusCode.CANCELLED):  # refused or stalled, not called off
+                self.metrics.count("pdserve_kv_transfer_failures", path=path)
 
     async def _transfer_kv(
         self, request_iterator: AsyncIterator[codec.Received], context: grpc.aio.ServicerContext,
@@ -338,6 +380,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         code: grpc.StatusCode, message: str,
     ) -> None:
         receiver.fail(code, message)  # drops the partial KV
+        log.warning("KV transfer refused, %s: %s", code.name, message)
         if reservation is not None:
             reservation.fail(code, f"KV transfer refused: {message}")
         await context.abort(code, message)
@@ -368,6 +411,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             stop_token_ids=frozenset() if params.ignore_eos else frozenset(self.spec.eos_token_ids),
             emit=emit,
             tokens=tokens,
+            steps=[] if tracing.recording() else None,
         )
 
     async def GetInfo(
@@ -418,12 +462,15 @@ class _Spans:
 
     def __init__(self) -> None:
         self.span: trace.Span | None = None
+        self.transport = ""
 
     def start(self, header: kv_transfer_pb2.KVHeader) -> None:
+        logs.for_request(header.request_id)
+        self.transport = "shm" if header.shm else "grpc"
         self.span = tracing.tracer.start_span(
             "kv.receive", context=tracing.incoming(dict(header.trace_context)), kind=SpanKind.SERVER,
             attributes={"pdserve.request_id": header.request_id, "pdserve.prompt_tokens": header.num_tokens,
-                        "pdserve.transport": "shm" if header.shm else "grpc", "pdserve.dtype": header.dtype})
+                        "pdserve.transport": self.transport, "pdserve.dtype": header.dtype})
 
     def end(self, receiver: KVReceiver) -> None:
         if self.span is not None:

@@ -21,11 +21,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from gateway import journey
@@ -35,10 +37,12 @@ from gateway.journey import GatewayError, RetryPolicy, Timings
 from gateway.request import GenerateParams, InvalidRequest, parse_request
 from gateway.workers import PairBreakers, Pool, check_pairing
 from model_runner.loading import DEFAULT_MODEL, resolve_model
-from pdserve import serving, tracing
+from pdserve import logs, serving, tracing
 from pdserve.metrics import Metrics
 from pdserve.serving import ServerConfig, add_server_args, server_config
 from protos import gateway_pb2, gateway_pb2_grpc, worker_pb2
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -166,7 +170,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     now = time.perf_counter()
                     if not generated:
                         span.add_event("first token")
-                        span.set_attribute("pdserve.request_id", response.request_id)
                         self.metrics.observe("pdserve_time_to_first_token_seconds", now - arrived)
                     elif response.token_ids:  # tokens that arrive together share the gap
                         self.metrics.observe("pdserve_inter_token_latency_seconds",
@@ -183,10 +186,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                              "pdserve.migrations": response.timing.migrations,
                                              "pdserve.kv_transport": response.timing.kv_transport,
                                              "pdserve.kv_bytes": response.timing.kv_bytes})
+                        timing = response.timing
+                        log.info("finished (%s): %d prompt + %d tokens, TTFT %.0f ms, total %.0f ms, %d retries, "
+                                 "%d migrations", response.finish_reason, response.usage.prompt_tokens,
+                                 generated, timing.ttft_ms, timing.total_ms,
+                                 timing.retries, timing.migrations)
                     yield response
             except asyncio.CancelledError:
-                span.add_event("cancelled", {"pdserve.phase": "decoding" if generated else "before first token",
-                                             "pdserve.tokens_sent": generated})
+                phase = "decoding" if generated else "before first token"
+                span.add_event("cancelled", {"pdserve.phase": phase, "pdserve.tokens_sent": generated})
+                log.info("cancelled %s, after %d tokens", phase, generated)
+                raise
+            except grpc.aio.AbortError:  # ended with a status: say which
+                code = context.code()
+                log.info("ended with %s: %s", getattr(code, "name", code), context.details())
                 raise
             finally:
                 span.set_attribute("pdserve.output_tokens", generated)
@@ -198,6 +211,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             params = parse_request(request, self.tokenizer, self.model.vocab_size, self.model.max_model_len)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        trace.get_current_span().set_attribute("pdserve.request_id", params.request_id)
+        logs.for_request(params.request_id)
         if params.request_id in self._in_flight:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {params.request_id!r} is in flight")
         self._in_flight.add(params.request_id)
@@ -209,7 +224,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
             queued = time.perf_counter()
             async with self.admission.slot(deadline):
-                self.metrics.observe("pdserve_queue_time_seconds", time.perf_counter() - queued)
+                admitted = time.perf_counter()
+                self.metrics.observe("pdserve_queue_time_seconds", admitted - queued)
+                tracing.record("gateway.queue", None, queued, admitted, {"pdserve.in_flight": len(self._in_flight)})
                 # aclosing: if a cancel lands mid-write, the journey's worker calls are cancelled now, not at GC
                 async with contextlib.aclosing(self._generate(params, arrived, deadline, timings)) as responses:
                     async for response in responses:

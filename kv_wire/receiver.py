@@ -61,6 +61,7 @@ class KVReceiver:
         self._tensor, self._offset = 0, 0
         self.bytes_received = 0
         self.chunks_received = 0
+        self.failure: grpc.StatusCode | None = None  # why it failed
 
     def accept_header(self, header: pb.KVHeader, reserved_tokens: int, segment: Buffer | None) -> KVLayout:
         """Check the header against this worker's model and the reservation; take a staging buffer.
@@ -172,7 +173,7 @@ class KVReceiver:
 
     def fail(self, code: grpc.StatusCode, message: str) -> KVTransferError:
         """Mark the transfer failed and free the partial KV at once; returns the error to raise."""
-        self.state = TransferState.FAILED
+        self.state, self.failure = TransferState.FAILED, code
         self._bytes = self._segment = None
         if self._staging is not None:
             self._pool.release(self._staging)

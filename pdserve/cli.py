@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 
 import grpc
 
 from model_runner.loading import DEFAULT_MODEL, DTYPES
 
+DEFAULT_TRACE_DIR = ".pdserve/traces"
 DEMO_PROMPT = "<|im_start|>user\nExplain in two sentences why the sky is blue.<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -44,6 +47,11 @@ def main(argv: list[str] | None = None) -> None:
                          help="extra flag for every decode worker, e.g. --decode-arg=--max-seqs=16")
     cluster.add_argument("--gateway-arg", action="append", default=[], metavar="FLAG",
                          help="extra flag for the gateway, e.g. --gateway-arg=--max-in-flight=32")
+    cluster.add_argument("--trace-dir", default="", metavar="DIR",
+                         help="every process appends its spans to DIR (OTLP JSON lines); read them with "
+                         "`pdserve trace REQUEST_ID --dir DIR`")
+    cluster.add_argument("--log-format", default="", choices=["text", "json"],
+                         help="json: every process logs JSON lines, with trace and request ids (default: text)")
     cluster.add_argument("--demo", nargs="?", const=DEMO_PROMPT, default=None, metavar="PROMPT",
                          help="once healthy, stream one completion with its timing breakdown")
     cluster.set_defaults(run=_cluster)
@@ -60,6 +68,16 @@ def main(argv: list[str] | None = None) -> None:
     generate.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     generate.set_defaults(run=_generate)
+
+    trace = commands.add_parser("trace", help="a request's spans as a terminal waterfall, from a local capture",
+                                description="Print the span tree of REQUEST_ID's trace (gateway, queue, prefill, "
+                                "KV send and receive, decode admission and steps) with durations, read from the "
+                                "capture `pdserve cluster --trace-dir DIR` writes.")
+    trace.add_argument("request_id", metavar="REQUEST_ID")
+    trace.add_argument("--dir", default=os.environ.get("PDSERVE_TRACE_DIR", DEFAULT_TRACE_DIR),
+                       help="the capture directory (default: $PDSERVE_TRACE_DIR or %(default)s)")
+    trace.add_argument("--all", action="store_true", help="every decode step, not a summary of long runs")
+    trace.set_defaults(run=_trace)
 
     bench = commands.add_parser("bench", help="benchmarks; results as a table or JSON, plus JSON and plots on disk")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
@@ -95,18 +113,47 @@ def _cluster(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                threads=args.threads, prefill_args=tuple(args.prefill_arg),
                                gateway_args=tuple(args.gateway_arg),
                                decode_args=tuple(args.decode_arg), pin=args.pin,
-                               colocate_below=args.colocate_below)
+                               colocate_below=args.colocate_below, trace_dir=args.trace_dir,
+                               log_format=args.log_format if args.log_format != "text" else "")
     except ValueError as exc:
         parser.error(str(exc))
     cluster = start(config)
     print(json.dumps(cluster.summary()), flush=True)
     if args.demo:
         print(f"demo prompt: {args.demo!r}", file=sys.stderr, flush=True)
-        _stream_to_terminal(cluster.gateway.address, {"prompt": args.demo, "max_tokens": 64, "temperature": 0.0})
+        _stream_to_terminal(cluster.gateway.address, {"prompt": args.demo, "max_tokens": 64, "temperature": 0.0,
+                                                      "request_id": "demo"})
+        if args.trace_dir:
+            _print_trace("demo", args.trace_dir)
         print(f"serving; try: pdserve generate --address {cluster.gateway.address} \"Hello\"   (Ctrl-C stops)",
               file=sys.stderr, flush=True)
     serve_until_signal(cluster)
     return 0
+
+
+def _print_trace(request_id: str, directory: str) -> None:
+    """The demo's waterfall, once every process has written its spans (they are batched)."""
+    from pathlib import Path
+
+    from pdserve import waterfall
+
+    deadline = time.monotonic() + 5
+    while True:
+        spans = waterfall.find_trace(waterfall.load(Path(directory)), request_id)
+        if {"decode.step", "kv.receive", "gateway"} <= {s.name for s in spans} or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    if spans:
+        print(f"\n$ pdserve trace {request_id} --dir {directory}\n{waterfall.render(spans, request_id)}\n",
+              file=sys.stderr, flush=True)
+
+
+def _trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from pathlib import Path
+
+    from pdserve import waterfall
+
+    return waterfall.main(args.request_id, Path(args.dir), args.all)
 
 
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

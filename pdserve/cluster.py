@@ -16,6 +16,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from model_runner.loading import DEFAULT_MODEL, DTYPES, resolve_model
+from pdserve import tracing
+from pdserve.logs import LOG_FORMAT_ENV
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,8 @@ class ClusterConfig:
     startup_timeout_s: float = 300.0
     pin: bool = True  # give each worker its own cores when there are enough (prefill never steals decode's)
     colocate_below: int = 0  # the gateway sends prompts shorter than this to decode workers that prefill them
+    trace_dir: str = ""  # every process appends its spans here (OTLP JSON lines) for `pdserve trace`
+    log_format: str = ""  # "json": every process logs JSON lines (trace and request ids on request lines)
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
@@ -113,7 +117,8 @@ def _die_with_parent() -> None:
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _spawn(role: str, module: str, args: list[str], cpus: set[int] | None = None) -> Service:
+def _spawn(role: str, module: str, args: list[str], cpus: set[int] | None = None,
+           env: dict[str, str] | None = None) -> Service:
     """Start `python -m module args`; with `cpus`, the process and every thread it starts run only there."""
 
     def prepare() -> None:  # in the child, before exec
@@ -122,7 +127,7 @@ def _spawn(role: str, module: str, args: list[str], cpus: set[int] | None = None
             os.sched_setaffinity(0, cpus)
 
     process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, text=True,
-                               preexec_fn=prepare)
+                               preexec_fn=prepare, env=env)
     return Service(role, process, cpus=cpus)
 
 
@@ -169,6 +174,12 @@ def start(config: ClusterConfig) -> Cluster:
     deadline = time.monotonic() + config.startup_timeout_s
     worker_flags = ["--host", config.host, "--model", model_dir, "--dtype", config.dtype, "--device", config.device,
                     "--threads", str(config.threads_per_worker)]
+    env = dict(os.environ)
+    if config.trace_dir:
+        env[tracing.TRACE_DIR_ENV] = os.path.abspath(config.trace_dir)
+        env.setdefault("OTEL_BSP_SCHEDULE_DELAY", "500")  # spans on disk within half a second, for `pdserve trace`
+    if config.log_format:
+        env[LOG_FORMAT_ENV] = config.log_format
     workers: list[Service] = []
     cpus = iter(config.worker_cpus())
     try:
@@ -177,7 +188,7 @@ def start(config: ClusterConfig) -> Cluster:
             for i in range(count):
                 port = ports[i] if ports else 0
                 workers.append(_spawn(role, f"{role}_service", [*worker_flags, *extra, "--port", str(port)],
-                                      next(cpus)))
+                                      next(cpus), env))
         _await_ready(workers, deadline)
         prefill = [w for w in workers if w.role == "prefill"]
         decode = [w for w in workers if w.role == "decode"]
@@ -185,7 +196,7 @@ def start(config: ClusterConfig) -> Cluster:
                         "--colocate-below", str(config.colocate_below)]
         gateway_args += [f"--prefill={w.address}" for w in prefill] + [f"--decode={w.address}" for w in decode]
         gateway_args += config.gateway_args
-        gateway = _spawn("gateway", "gateway", gateway_args)
+        gateway = _spawn("gateway", "gateway", gateway_args, env=env)
         workers.append(gateway)
         _await_ready([gateway], deadline)
         cluster = Cluster(gateway, prefill, decode)

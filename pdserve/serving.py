@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from pdserve import tracing
+from pdserve import logs, tracing
 from pdserve.metrics import Metrics
 
 MAX_MESSAGE_BYTES = 8 << 20  # KV chunks are 1 MiB by default; anything near this limit is malformed
@@ -52,11 +52,6 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int = 0) -> N
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(host=args.host, port=args.port, grace_s=args.grace_s, metrics_port=args.metrics_port)
-
-
-def configure_logging() -> None:
-    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 async def serve(
@@ -131,7 +126,7 @@ def main(prog: str, description: str | None, config_class: Any, serve_config: Ca
         config = config_class.from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    configure_logging()
+    logs.configure()
     try:
         run(serve_config(config))
     except RuntimeError as exc:  # start-up refusals (e.g. workers that must not pair): one line, exit 1

@@ -38,6 +38,8 @@ class Prefilled(NamedTuple):
     first_token: int
     started: float  # perf_counter when its first pass began
     ended: float
+    batch_size: int = 1  # prompts in its (last) pass
+    passes: int = 1  # forward passes it took (chunks of a long prompt)
 
 
 @dataclass(eq=False)
@@ -71,6 +73,12 @@ class PrefillEngine:
         self.live_jobs = 0
         self._thread = threading.Thread(target=self._run, name="prefill-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def waiting(self) -> int:
+        """Prompts queued (a long prompt part-way through its chunks included)."""
+        with self._wake:
+            return len(self._scheduler)
 
     def submit(self, job: PrefillJob) -> None:
         """Queue a prompt; raises QueueFull when it would overflow the token budget (an idle engine takes any)."""
@@ -147,7 +155,7 @@ class PrefillEngine:
             if not streaming:
                 self._deliver_all(job, cache, row)
             self._finish(job, Prefilled(sample(logits[row], job.sampling, position=len(job.token_ids)),
-                                        job.started, ended))
+                                        job.started, ended, batch_size=len(jobs)))
 
     def _run_chunk(self, job: PrefillJob) -> None:
         prompt = job.token_ids
@@ -171,8 +179,9 @@ class PrefillEngine:
         if not self.layer_streaming:
             self._deliver_all(job, job.cache, 0)
         self._end_long(job)
+        passes = -(-len(prompt) // self._scheduler.chunk_tokens)
         self._finish(job, Prefilled(sample(logits, job.sampling, position=len(prompt)), job.started,
-                                    time.perf_counter()))
+                                    time.perf_counter(), passes=passes))
 
     def _end_long(self, job: PrefillJob) -> None:
         with self._wake:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import threading
 import time
@@ -36,12 +37,14 @@ from kv_wire.sender import KVSender, encode_stream
 from model_runner import forward
 from model_runner.loading import LoadedModel, ModelConfig, add_model_args, model_config
 from model_runner.sampling import SamplingParams
-from pdserve import serving, tracing
+from pdserve import logs, serving, tracing
 from pdserve.metrics import Metrics
 from pdserve.serving import MAX_MESSAGE_BYTES, ServerConfig, add_server_args, server_config
 from prefill_service.engine import Abandoned, Prefilled, PrefillEngine, PrefillJob, QueueFull
 from protos import prefill_pb2, prefill_pb2_grpc, worker_pb2
 from protos.convert import model_info, sampling_from_pb
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -153,9 +156,18 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self._segments = SegmentMaps()
         self.metrics = Metrics(
             gauges={"pdserve_live_prefills": ("prompts queued or running", lambda: self.engine.live_jobs),
-                    "pdserve_queued_tokens": ("prompt tokens queued or running", lambda: self.engine.queued_tokens)},
+                    "pdserve_queued_tokens": ("prompt tokens queued or running", lambda: self.engine.queued_tokens),
+                    "pdserve_num_requests_waiting": ("prompts queued", lambda: self.engine.waiting),
+                    "pdserve_num_requests_running": ("prompts in the forward pass under way",
+                                                     lambda: self.engine.live_jobs - self.engine.waiting)},
             counters={"pdserve_cancellations": "prefills whose caller cancelled or left mid-request",
-                      "pdserve_rejections": "prompts refused: the queue's token budget was full"})
+                      "pdserve_rejections": "prompts refused: the queue's token budget was full",
+                      "pdserve_prompt_tokens": "prompt tokens prefilled",
+                      "pdserve_kv_transfer_bytes": "KV bytes sent, by path (grpc, shm)",
+                      "pdserve_kv_transfer_failures": "KV transfers refused or broken, by path"},
+            histograms={"pdserve_request_queue_time_seconds": "arrival to the prompt's first forward pass",
+                        "pdserve_request_prefill_time_seconds": "the prompt's forward passes, first to last",
+                        "pdserve_kv_transfer_seconds": "first KV layer sent to decode's acknowledgement, by path"})
 
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -165,6 +177,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             attributes={"pdserve.request_id": request.request_id, "pdserve.prompt_tokens": len(request.token_ids),
                         "pdserve.decode_address": request.decode_address},
         ) as span:
+            logs.for_request(request.request_id)
             async for event in self._prefill(request, context):
                 if event.WhichOneof("event") == "first_token":
                     span.add_event("first token", {"pdserve.queue_ms": event.first_token.queue_ms,
@@ -208,15 +221,22 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             except Abandoned as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             try:
-                first, started, ended = await result
+                prefilled = await result
             except Abandoned:
                 await self._transfer_result(push, request.decode_address, context)  # raises decode's refusal
                 raise
+            started, ended = prefilled.started, prefilled.ended
+            self._record(arrived, prefilled, len(token_ids))
             yield prefill_pb2.PrefillEvent(first_token=prefill_pb2.FirstToken(
-                token_id=first, queue_ms=(started - arrived) * 1e3, forward_ms=(ended - started) * 1e3))
-            push.deliver(first)
+                token_id=prefilled.first_token, queue_ms=(started - arrived) * 1e3,
+                forward_ms=(ended - started) * 1e3))
+            push.deliver(prefilled.first_token)
             await self._transfer_result(push, request.decode_address, context)
             done = time.perf_counter()
+            self.metrics.observe("pdserve_kv_transfer_seconds", done - push.started_at, path=sender.transport)
+            log.info("prefilled %d tokens: queue %.1f ms, forward %.1f ms; KV %d bytes by %s, %.1f ms exposed",
+                     len(token_ids), (started - arrived) * 1e3, (ended - started) * 1e3, sender.bytes_sent,
+                     sender.transport, (done - ended) * 1e3)
             yield prefill_pb2.PrefillEvent(transfer_done=prefill_pb2.TransferDone(
                 kv_bytes=sender.bytes_sent, chunks=sender.chunks_sent,
                 exposed_ms=(done - ended) * 1e3, transfer_ms=(done - push.started_at) * 1e3,
@@ -231,6 +251,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             send_span.set_attributes({"pdserve.kv_bytes": sender.bytes_sent, "pdserve.chunks": sender.chunks_sent,
                                       "pdserve.transport": sender.transport, "pdserve.state": sender.state.name})
             send_span.end()
+            self.metrics.count("pdserve_kv_transfer_bytes", sender.bytes_sent, path=sender.transport)
+
+    def _record(self, arrived: float, prefilled: Prefilled, prompt_tokens: int) -> None:
+        """The prompt's wait and forward passes: child spans of the current (prefill) span, and histograms."""
+        tracing.record("prefill.queue", None, arrived, prefilled.started)
+        tracing.record("prefill.forward", None, prefilled.started, prefilled.ended,
+                       {"pdserve.batch_size": prefilled.batch_size, "pdserve.passes": prefilled.passes,
+                        "pdserve.prompt_tokens": prompt_tokens})
+        self.metrics.observe("pdserve_request_queue_time_seconds", prefilled.started - arrived)
+        self.metrics.observe("pdserve_request_prefill_time_seconds", prefilled.ended - prefilled.started)
+        self.metrics.count("pdserve_prompt_tokens", prompt_tokens)
 
     async def _transfer_result(self, push: _KVPush, address: str, context: grpc.aio.ServicerContext) -> None:
         """Wait for decode's acknowledgement; a refused or broken transfer ends this call with its status."""
@@ -240,10 +271,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         try:
             await push.call
         except grpc.aio.AioRpcError as exc:
+            self.metrics.count("pdserve_kv_transfer_failures", path=push.sender.transport)
+            log.warning("KV transfer to %s failed, %s: %s", address, exc.code().name, exc.details())
             await context.abort(exc.code(), f"KV transfer to decode worker {address} failed: {exc.details()}")
         except asyncio.CancelledError:
             if not push.call.cancelled():  # this handler itself is being cancelled
                 raise
+            self.metrics.count("pdserve_kv_transfer_failures", path=push.sender.transport)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer to decode worker {address} was cancelled")
 
     async def _validate(

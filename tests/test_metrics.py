@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import time
 
+import grpc
+import pytest
+
 from pdserve.client import generate, stream
 from pdserve.cluster import Cluster, Service
 from pdserve.metrics import scrape
+from protos import decode_pb2_grpc, kv_transfer_pb2
 from tests.conftest import assert_nothing_held
 
 LIVE = {"gateway": ["pdserve_live_requests"], "prefill": ["pdserve_live_prefills", "pdserve_queued_tokens"],
@@ -67,3 +71,52 @@ def test_latency_histograms_and_token_counters_move_when_requests_run(tiny_clust
     assert moved("pdserve_e2e_request_latency_seconds_sum") >= moved("pdserve_time_to_first_token_seconds_sum") > 0
     assert moved("pdserve_generation_tokens_total") == 6
     assert moved("pdserve_prompt_tokens_total") == completion.usage.prompt_tokens
+
+
+def test_worker_histograms_and_kv_transfer_counters_move_by_path(tiny_cluster: Cluster) -> None:
+    def totals() -> dict[str, float]:
+        found: dict[str, float] = {}
+        for role, service in _services(tiny_cluster)[1:]:
+            for name, value in scrape(service.metrics).items():
+                found[f"{role} {name}"] = found.get(f"{role} {name}", 0) + value
+        return found
+
+    before = totals()
+    completion = generate(tiny_cluster.gateway.address, timeout=60, prompt="Hi there", max_tokens=6, ignore_eos=True)
+    shm = '{path="shm"}'  # prefill and decode share this host: the KV moved through shared memory
+    deadline = time.monotonic() + 2.0
+    while totals()["decode pdserve_request_decode_time_seconds_count"] == before.get(
+            "decode pdserve_request_decode_time_seconds_count", 0):  # observed as the worker lets the request go
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    after = totals()
+
+    def moved(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert moved("prefill pdserve_request_queue_time_seconds_count") == 1
+    assert moved("prefill pdserve_request_prefill_time_seconds_count") == 1
+    assert moved("prefill pdserve_prompt_tokens_total") == completion.usage.prompt_tokens
+    assert moved(f"prefill pdserve_kv_transfer_seconds_count{shm}") == 1
+    sent = moved(f"prefill pdserve_kv_transfer_bytes_total{shm}")
+    assert sent > 0 and moved(f"decode pdserve_kv_transfer_bytes_total{shm}") == sent
+    assert moved(f"decode pdserve_kv_transfer_seconds_count{shm}") == 1
+    assert moved("decode pdserve_decode_step_seconds_count") == 5  # 6 tokens: the first from prefill, 5 steps
+    assert moved("decode pdserve_decode_batch_size_sum") == 5  # alone in every step
+    assert moved("decode pdserve_generation_tokens_total") == 5
+    assert moved("decode pdserve_request_decode_time_seconds_count") == 1
+    assert not any(moved(name) for name in after if "kv_transfer_failures" in name)
+    assert after["decode pdserve_kv_cache_usage_perc"] == 0 and after["decode pdserve_num_requests_running"] == 0
+
+
+def test_a_refused_kv_transfer_counts_as_a_failure(tiny_cluster: Cluster) -> None:
+    worker = tiny_cluster.decode[0]
+    name = 'pdserve_kv_transfer_failures_total{path="grpc"}'
+    before = scrape(worker.metrics).get(name, 0)
+    forged = kv_transfer_pb2.KVTransfer(header=kv_transfer_pb2.KVHeader(request_id="nobody",
+                                                                         reservation_token="forged"))
+    with grpc.insecure_channel(worker.address) as channel, pytest.raises(grpc.RpcError) as refused:
+        decode_pb2_grpc.DecodeStub(channel).TransferKV(iter([forged]), timeout=10)
+    assert refused.value.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+    assert scrape(worker.metrics)[name] == before + 1
+    assert_nothing_held(tiny_cluster)

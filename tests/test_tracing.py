@@ -3,12 +3,17 @@ accepts on 4317): the parent/child links hold across every hop, the KV transfer'
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -48,15 +53,32 @@ class _Collector(trace_service_pb2_grpc.TraceServiceServicer):
             time.sleep(0.05)
 
 
+@dataclass
+class Traced:
+    cluster: Cluster
+    collector: _Collector
+    capture: Path  # PDSERVE_TRACE_DIR: what `pdserve trace` reads
+    logs: Path  # every process's stderr: JSON lines
+
+
 @pytest.fixture(scope="module")
-def traced(tiny_model_dir: Path) -> Iterator[tuple[Cluster, _Collector]]:
+def traced(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Traced]:
     with socket.socket() as probe:  # a free port for the trace service
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    with pytest.MonkeyPatch.context() as env:  # the workers inherit the standard OTEL_* variables
-        env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
+    capture, logs = tmp_path_factory.mktemp("capture"), tmp_path_factory.mktemp("logs") / "stderr.jsonl"
+    saved_stderr = os.dup(2)
+    with pytest.MonkeyPatch.context() as env, logs.open("w") as log_file:
+        env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")  # the standard OTEL_* variables
         env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
-        cluster = start_cluster(tiny_model_dir, prefill=2, decode=1)
+        env.setenv("PDSERVE_TRACE_DIR", str(capture))
+        env.setenv("PDSERVE_LOG_FORMAT", "json")
+        os.dup2(log_file.fileno(), 2)  # the workers inherit this stderr
+        try:
+            cluster = start_cluster(tiny_model_dir, prefill=2, decode=1)
+        finally:
+            os.dup2(saved_stderr, 2)
+            os.close(saved_stderr)
     # The service starts once the workers are spawned: forking a process that runs a gRPC server breaks the
     # server's poller. Nothing is traced before the first request, and the exporters retry meanwhile.
     collector = _Collector()
@@ -64,7 +86,7 @@ def traced(tiny_model_dir: Path) -> Iterator[tuple[Cluster, _Collector]]:
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
     assert server.add_insecure_port(f"127.0.0.1:{port}") == port
     server.start()
-    yield cluster, collector
+    yield Traced(cluster, collector, capture, logs)
     cluster.stop()
     server.stop(0)
 
@@ -84,12 +106,16 @@ def _stream(cluster: Cluster, request_id: str, max_tokens: int,
         channel.close()
 
 
-def test_one_trace_links_gateway_prefill_transfer_and_decode(traced: tuple[Cluster, _Collector]) -> None:
-    cluster, collector = traced
+NAMES = {"gateway", "gateway.queue", "prefill", "prefill.queue", "prefill.forward", "kv.send", "kv.receive", "decode",
+         "decode.join", "decode.step"}
+
+
+def test_one_trace_links_gateway_prefill_transfer_and_decode(traced: Traced) -> None:
+    cluster, collector = traced.cluster, traced.collector
     responses = list(_stream(cluster, "traced-1", 4))
     assert responses[-1].finish_reason == "length"
-    spans = collector.trace(bytes.fromhex(TRACE_ID), {"gateway", "prefill", "kv.send", "kv.receive", "decode"})
-    assert {"gateway", "prefill", "kv.send", "kv.receive", "decode"} <= set(spans)
+    spans = collector.trace(bytes.fromhex(TRACE_ID), NAMES)
+    assert NAMES <= set(spans)
     (gateway_service, gateway), (prefill_service, prefill) = spans["gateway"], spans["prefill"]
     (_, send), (receive_service, receive), (decode_service, decode) = (spans["kv.send"], spans["kv.receive"],
                                                                         spans["decode"])
@@ -102,11 +128,63 @@ def test_one_trace_links_gateway_prefill_transfer_and_decode(traced: tuple[Clust
     attributes = {a.key: a.value for a in receive.attributes}
     assert attributes["pdserve.kv_bytes"].int_value > 0 and attributes["pdserve.request_id"].string_value == "traced-1"
     assert {e.name for e in gateway.events} >= {"first token", "finish"}
+    assert spans["gateway.queue"][1].parent_span_id == gateway.span_id
+    for name in ("prefill.queue", "prefill.forward"):
+        assert spans[name][1].parent_span_id == prefill.span_id
+    assert spans["decode.join"][1].parent_span_id == decode.span_id
+    # Every decode step the sequence rode in: 4 tokens, the first from prefill, so 3 steps, in order, inside decode.
+    steps = sorted((span for _, span in collector.spans
+                    if span.trace_id == bytes.fromhex(TRACE_ID) and span.name == "decode.step"),
+                   key=lambda span: span.start_time_unix_nano)
+    assert len(steps) == 3 and all(step.parent_span_id == decode.span_id for step in steps)
+    assert [{a.key: a.value.int_value for a in step.attributes}["pdserve.step"] for step in steps] == [1, 2, 3]
+    assert decode.start_time_unix_nano <= steps[0].start_time_unix_nano
+    assert steps[-1].end_time_unix_nano <= decode.end_time_unix_nano
     assert_nothing_held(cluster)
 
 
-def test_a_cancelled_and_a_retried_request_show_where_in_their_traces(traced: tuple[Cluster, _Collector]) -> None:
-    cluster, collector = traced
+def test_log_lines_about_a_request_carry_its_trace_and_request_ids(traced: Traced) -> None:
+    assert list(_stream(traced.cluster, "logged-1", 2, "6bf92f3577b34da6a3ce929d0e0e4736"))[-1].finish_reason
+    deadline = time.monotonic() + 10
+    while True:
+        lines = [json.loads(line) for line in traced.logs.read_text().splitlines() if line.startswith("{")]
+        mine = [line for line in lines if line.get("request_id") == "logged-1"]
+        if {"gateway.server", "prefill_service.server", "decode_service.server"} <= {m["logger"] for m in mine}:
+            break
+        assert time.monotonic() < deadline, mine
+        time.sleep(0.1)
+    assert all(line["trace_id"] == "6bf92f3577b34da6a3ce929d0e0e4736" for line in mine)
+    assert all({"time", "level", "message", "pid"} <= set(line) for line in lines)
+
+
+def test_pdserve_trace_prints_the_request_waterfall_from_the_local_capture(traced: Traced) -> None:
+    assert list(_stream(traced.cluster, "waterfall-1", 12, "9bf92f3577b34da6a3ce929d0e0e4736"))[-1].finish_reason
+    command = [sys.executable, "-m", "pdserve.cli", "trace", "waterfall-1", "--dir", str(traced.capture)]
+    deadline = time.monotonic() + 20
+    while True:  # each process writes its spans in batches
+        shown = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        names = [line.split()[0] for line in shown.stdout.splitlines()[1:] if not line.lstrip().startswith("·")]
+        if shown.returncode == 0 and {"decode.step", "kv.receive", "prefill.forward"} <= set(names):
+            break
+        assert time.monotonic() < deadline, shown.stdout + shown.stderr
+        time.sleep(0.2)
+    lines = shown.stdout.splitlines()
+    assert lines[0].startswith("trace 9bf92f3577b34da6a3ce929d0e0e4736  request waterfall-1")
+    indent = {line.split()[0]: len(line) - len(line.lstrip()) for line in lines[1:] if line.lstrip()[0] not in "·…"}
+    assert indent["gateway"] == 0  # the client's span is not in the capture: the gateway is the root
+    assert indent["prefill"] == indent["decode"] == indent["gateway.queue"] == 2
+    assert indent["kv.send"] == indent["prefill.forward"] == 4 and indent["kv.receive"] == 6
+    assert indent["decode.step"] == 4
+    assert any("more decode.step" in line for line in lines)  # 11 steps: the middle ones summarised
+    full = subprocess.run([*command, "--all"], capture_output=True, text=True, timeout=60).stdout
+    assert sum(line.split()[0] == "decode.step" for line in full.splitlines()[1:]) == 11
+    missing = subprocess.run([*command[:4], "no-such-request", "--dir", str(traced.capture)], capture_output=True,
+                             text=True, timeout=60)
+    assert missing.returncode == 1 and "no span of request 'no-such-request'" in missing.stdout
+
+
+def test_a_cancelled_and_a_retried_request_show_where_in_their_traces(traced: Traced) -> None:
+    cluster, collector = traced.cluster, traced.collector
     cancelled_trace = "5bf92f3577b34da6a3ce929d0e0e4736"
     responses = _stream(cluster, "traced-cancel", 400, cancelled_trace)
     next(responses)
