@@ -79,6 +79,13 @@ def main(argv: list[str] | None = None) -> None:
     trace.add_argument("--all", action="store_true", help="every decode step, not a summary of long runs")
     trace.set_defaults(run=_trace)
 
+    health = commands.add_parser("health", help="exit 0 if a service reports SERVING (a container health check)",
+                                 description="Ask ADDRESS's grpc.health.v1 service for its status: exit 0 when "
+                                 "SERVING, 1 otherwise (not serving, unreachable, or no answer within --timeout).")
+    health.add_argument("address", metavar="ADDRESS", help="host:port of any pdserve service")
+    health.add_argument("--timeout", type=float, default=3.0, help="seconds (default: %(default)s)")
+    health.set_defaults(run=_health)
+
     bench = commands.add_parser("bench", help="benchmarks; results as a table or JSON, plus JSON and plots on disk")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     from bench import chaos, decode, interference, kv, prefill, scenarios
@@ -146,6 +153,20 @@ def _print_trace(request_id: str, directory: str) -> None:
     if spans:
         print(f"\n$ pdserve trace {request_id} --dir {directory}\n{waterfall.render(spans, request_id)}\n",
               file=sys.stderr, flush=True)
+
+
+def _health(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(args.address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout)
+        except grpc.RpcError as exc:
+            print(f"{args.address}: {exc.code().name}", file=sys.stderr)  # type: ignore[attr-defined]
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{args.address}: {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 def _trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -47,6 +47,16 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line)
 
 
+class _AbandonedGeneratorDetach(logging.Filter):
+    """Drops OpenTelemetry's "Failed to detach context" error. A streaming handler whose RPC ended while it was
+    suspended at a `yield` is closed by asyncio's async-generator finalizer, in a task of its own: the span's
+    `with` block exits there, in another context, so detaching its token fails. Harmless: the span still ends,
+    and the context it would have restored belongs to a task that is gone."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "Failed to detach context"
+
+
 def configure() -> None:
     """Root logging for a service process, as PDSERVE_LOG_LEVEL and PDSERVE_LOG_FORMAT say."""
     handler = logging.StreamHandler(sys.stderr)
@@ -56,3 +66,4 @@ def configure() -> None:
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(request_tag)s%(message)s"))
     logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"), handlers=[handler], force=True)
+    logging.getLogger("opentelemetry.context").addFilter(_AbandonedGeneratorDetach())

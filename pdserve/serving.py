@@ -116,16 +116,21 @@ def run(main: Awaitable[None]) -> None:
     uvloop.run(main)  # type: ignore[arg-type]
 
 
-def main(prog: str, description: str | None, config_class: Any, serve_config: Callable[[Any], Awaitable[None]],
-         argv: list[str] | None = None) -> None:
-    """The `python -m <service>` entry point: flags -> validated config (errors name the flag) -> serve."""
+def parse_config(prog: str, description: str | None, config_class: Any, argv: list[str] | None) -> Any:
+    """A service's validated config from its flags; a bad flag exits with status 2 and a message naming it."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     config_class.add_args(parser)
     args = parser.parse_args(argv)
     try:
-        config = config_class.from_args(args)
+        return config_class.from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+
+
+def main(prog: str, description: str | None, config_class: Any, serve_config: Callable[[Any], Awaitable[None]],
+         argv: list[str] | None = None) -> None:
+    """The `python -m <service>` entry point: flags -> validated config (errors name the flag) -> serve."""
+    config = parse_config(prog, description, config_class, argv)
     logs.configure()
     try:
         run(serve_config(config))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.client import generate
-from pdserve.cluster import ClusterConfig, _await_ready, _spawn, stop_all
+from pdserve.cluster import Cluster, ClusterConfig, _await_ready, _spawn, stop_all
 from tests.conftest import start_cluster
 
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
@@ -62,6 +62,15 @@ def test_generate_reports_an_unreachable_gateway() -> None:
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     assert "UNAVAILABLE" in result.stderr
+
+
+def test_health_probe_answers_for_every_service_and_fails_for_a_dead_one(tiny_cluster: Cluster) -> None:
+    for service in tiny_cluster.services:  # what the container image's HEALTHCHECK runs
+        result = subprocess.run([*PDSERVE, "health", service.address], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0 and result.stdout.strip() == f"{service.address}: SERVING"
+    result = subprocess.run([*PDSERVE, "health", "127.0.0.1:1", "--timeout", "2"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 1 and "UNAVAILABLE" in result.stderr
 
 
 @pytest.mark.parametrize("module", ["gateway", "prefill_service", "decode_service"])

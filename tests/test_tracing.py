@@ -154,6 +154,7 @@ def test_log_lines_about_a_request_carry_its_trace_and_request_ids(traced: Trace
         assert time.monotonic() < deadline, mine
         time.sleep(0.1)
     assert all(line["trace_id"] == "6bf92f3577b34da6a3ce929d0e0e4736" for line in mine)
+    assert not [line for line in lines if line["level"] == "ERROR"]
     assert all({"time", "level", "message", "pid"} <= set(line) for line in lines)
 
 
