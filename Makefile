@@ -8,6 +8,7 @@ PROTOS := $(wildcard protos/*.proto)
 GENERATED := $(PROTOS:.proto=_pb2.py)
 PYTEST_ARGS ?=
 PORT ?= 50051
+HTTP_PORT ?= 8000
 
 .PHONY: install protos run test test-fast bench lint clean
 
@@ -30,7 +31,7 @@ protos/%_pb2.py: protos/%.proto $(INSTALLED)
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. $<
 
 run: install
-	$(VENV)/bin/pdserve cluster --prefill 1 --decode 1 --port $(PORT) --trace-dir .pdserve/traces --demo
+	$(VENV)/bin/pdserve cluster --prefill 1 --decode 1 --port $(PORT) --http-port $(HTTP_PORT) --trace-dir .pdserve/traces --demo
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -5,8 +5,11 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+
+import grpc
 
 from model_runner.sampling import SamplingParams
 from protos import gateway_pb2
@@ -18,6 +21,16 @@ MAX_STOP_STRINGS = 16
 
 class InvalidRequest(ValueError):
     """A request the gateway refuses; the message names the field."""
+
+
+class RequestFailed(Exception):
+    """How a request ended when it did not finish: the status its client sees, whatever the transport (gRPC
+    aborts with it; HTTP maps it to a status code and an OpenAI error object). `retry_after_ms` is set when it
+    was refused for load."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_ms: int = 0) -> None:
+        super().__init__(message)
+        self.code, self.message, self.retry_after_ms = code, message, retry_after_ms
 
 
 @dataclass(frozen=True)
@@ -37,14 +50,32 @@ class GenerateParams:
         return dataclasses.replace(self, prompt_ids=self.prompt_ids + sent, max_tokens=self.max_tokens - len(sent))
 
 
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def chat_prompt(messages: Iterable[gateway_pb2.ChatMessage], tokenizer: Any) -> list[int]:
+    """The conversation's token ids under the tokenizer's chat template, ending with the assistant's turn."""
+    turns = []
+    for i, message in enumerate(messages):
+        if message.role not in CHAT_ROLES:
+            raise InvalidRequest(f"messages[{i}].role = {message.role!r}: expected one of {', '.join(CHAT_ROLES)}")
+        turns.append({"role": message.role, "content": message.content})
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise InvalidRequest("messages: this model's tokenizer has no chat template; send a prompt instead")
+    encoded = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
 def parse_request(
     request: gateway_pb2.GenerateRequest, tokenizer: Any, vocab_size: int, max_model_len: int
 ) -> GenerateParams:
-    has_prompt, has_ids = bool(request.prompt), bool(request.token_ids)
-    if has_prompt == has_ids:
-        raise InvalidRequest("give exactly one of prompt and token_ids" if has_prompt
-                             else "prompt is empty: give a non-empty prompt or token_ids")
-    if has_prompt:
+    given = [name for name in ("prompt", "token_ids", "messages") if getattr(request, name)]
+    if len(given) != 1:
+        raise InvalidRequest(f"give exactly one of prompt, token_ids and messages (got {' and '.join(given)})"
+                             if given else "prompt is empty: give a non-empty prompt, token_ids or messages")
+    if request.messages:
+        prompt_ids = chat_prompt(request.messages, tokenizer)
+    elif request.prompt:
         prompt_ids = list(tokenizer(request.prompt).input_ids)
         if not prompt_ids:
             raise InvalidRequest("prompt tokenizes to no tokens")

@@ -22,9 +22,11 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from opentelemetry import trace
@@ -32,9 +34,11 @@ from opentelemetry.trace import SpanKind
 
 from gateway import journey
 from gateway.admission import Admission, AdmissionConfig, Overloaded
+from gateway.auth import ApiKeys
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
 from gateway.journey import GatewayError, RetryPolicy, Timings
-from gateway.request import GenerateParams, InvalidRequest, parse_request
+from gateway.openai_api import OpenAIServer
+from gateway.request import GenerateParams, InvalidRequest, RequestFailed, parse_request
 from gateway.workers import PairBreakers, Pool, check_pairing
 from model_runner.loading import DEFAULT_MODEL, resolve_model
 from pdserve import logs, serving, tracing
@@ -56,6 +60,9 @@ class GatewayConfig:
     retry: RetryPolicy = RetryPolicy()
     admission: AdmissionConfig = AdmissionConfig()
     poll_interval_s: float = 0.5  # how often each worker's health and load are read
+    http_port: int = 0  # OpenAI-compatible HTTP; 0 = a free port, reported with the address; -1 = off
+    api_key_file: str = ""  # API keys, one per line (also PDSERVE_API_KEYS); none: no key needed
+    served_model_name: str = ""  # the model's name in the HTTP API; default: the model directory's name
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -69,6 +76,10 @@ class GatewayConfig:
             raise ValueError("--max-in-flight must be >= 1, --max-queue and --queue-timeout >= 0")
         if self.poll_interval_s <= 0:
             raise ValueError(f"--poll-interval {self.poll_interval_s}: must be > 0")
+        if not -1 <= self.http_port < 65536:
+            raise ValueError(f"--http-port {self.http_port}: expected -1 (off) or 0..65535")
+        if self.api_key_file and not os.path.isfile(self.api_key_file):
+            raise ValueError(f"--api-key-file {self.api_key_file}: no such file")
         for address in self.prefill + self.decode:
             host, _, port = address.rpartition(":")
             if not host or not port.isdigit():
@@ -82,7 +93,8 @@ class GatewayConfig:
                                      backoff_s=args.retry_backoff_s, capacity_wait_s=args.queue_timeout_s),
                    admission=AdmissionConfig(max_in_flight=args.max_in_flight, max_queue=args.max_queue,
                                              queue_timeout_s=args.queue_timeout_s),
-                   poll_interval_s=args.poll_interval_s)
+                   poll_interval_s=args.poll_interval_s, http_port=args.http_port, api_key_file=args.api_key_file,
+                   served_model_name=args.served_model_name)
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
@@ -118,6 +130,15 @@ class GatewayConfig:
         group.add_argument("--poll-interval", type=float, default=0.5, dest="poll_interval_s",
                            help="seconds between reads of each worker's health and load, which pick the least "
                            "loaded worker and route around draining ones (default: %(default)s)")
+        group.add_argument("--http-port", type=int, default=0,
+                           help="port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                           "/v1/models); 0 picks a free one, -1 turns it off (default: 0)")
+        group.add_argument("--api-key-file", default="",
+                           help="file of API keys, one per line, that clients must send as `authorization: Bearer "
+                           "KEY` (gRPC metadata or HTTP header); PDSERVE_API_KEYS (comma-separated) adds more. "
+                           "Default: no key needed")
+        group.add_argument("--served-model-name", default="",
+                           help="the model's name in the HTTP API (default: the model directory's name)")
         group.add_argument("--startup-timeout", type=float, default=300.0, dest="startup_timeout_s",
                            help="seconds to wait for every worker to answer (default: %(default)s)")
 
@@ -127,9 +148,11 @@ def _split(values: list[str]) -> list[str]:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, tokenizer: object, model: worker_pb2.ModelInfo, prefill: Pool, decode: Pool,
-                 colocate_below: int, retry: RetryPolicy, admission: AdmissionConfig) -> None:
+    def __init__(self, tokenizer: Any, model: worker_pb2.ModelInfo, prefill: Pool, decode: Pool,
+                 colocate_below: int, retry: RetryPolicy, admission: AdmissionConfig,
+                 keys: ApiKeys | None = None) -> None:
         self.tokenizer = tokenizer
+        self.keys = keys or ApiKeys()
         self.model = model
         self.prefill = prefill
         self.decode = decode
@@ -159,14 +182,34 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        metadata = context.invocation_metadata()
+        if not self.keys.allows(metadata):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, self.keys.refusal)
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
+        try:
+            async for response in self.stream(request, deadline, metadata):
+                yield response
+        except RequestFailed as exc:
+            hint = (("retry-after-ms", str(exc.retry_after_ms)),) if exc.retry_after_ms else ()
+            await context.abort(exc.code, exc.message, trailing_metadata=hint)
+
+    async def stream(
+        self, request: gateway_pb2.GenerateRequest, deadline: float | None,
+        metadata: Iterable[tuple[str, str | bytes]] | Mapping[str, str] | None = None,
+    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        """One request's responses, whatever the transport (gRPC here, HTTP in openai_api.py): traced, counted
+        and logged the same way. Ends with RequestFailed when the request is refused or fails; cancelling the
+        caller's task cancels it on every worker. `deadline` is on the event loop's clock; `metadata` may carry
+        the client's `traceparent`."""
         # a client's traceparent is honoured: this span joins its trace
         with tracing.tracer.start_as_current_span(
-            "gateway", context=tracing.incoming(context.invocation_metadata()), kind=SpanKind.SERVER,
+            "gateway", context=tracing.incoming(metadata), kind=SpanKind.SERVER,
         ) as span:
             generated = 0
             arrived = last = time.perf_counter()
             try:
-                async for response in self._handle(request, context, arrived):
+                async for response in self._handle(request, deadline, arrived):
                     now = time.perf_counter()
                     if not generated:
                         span.add_event("first token")
@@ -178,50 +221,49 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     generated += len(response.token_ids)
                     self.metrics.count("pdserve_generation_tokens", len(response.token_ids))
                     if response.finish_reason:
-                        self.metrics.observe("pdserve_e2e_request_latency_seconds", now - arrived)
-                        self.metrics.count("pdserve_prompt_tokens", response.usage.prompt_tokens)
-                        span.add_event("finish", {"pdserve.finish_reason": response.finish_reason})
-                        span.set_attributes({"pdserve.prompt_tokens": response.usage.prompt_tokens,
-                                             "pdserve.retries": response.timing.retries,
-                                             "pdserve.migrations": response.timing.migrations,
-                                             "pdserve.kv_transport": response.timing.kv_transport,
-                                             "pdserve.kv_bytes": response.timing.kv_bytes})
-                        timing = response.timing
-                        log.info("finished (%s): %d prompt + %d tokens, TTFT %.0f ms, total %.0f ms, %d retries, "
-                                 "%d migrations", response.finish_reason, response.usage.prompt_tokens,
-                                 generated, timing.ttft_ms, timing.total_ms,
-                                 timing.retries, timing.migrations)
+                        self._finished(response, now - arrived, generated)
                     yield response
             except asyncio.CancelledError:
                 phase = "decoding" if generated else "before first token"
                 span.add_event("cancelled", {"pdserve.phase": phase, "pdserve.tokens_sent": generated})
                 log.info("cancelled %s, after %d tokens", phase, generated)
                 raise
-            except grpc.aio.AbortError:  # ended with a status: say which
-                code = context.code()
-                log.info("ended with %s: %s", getattr(code, "name", code), context.details())
+            except RequestFailed as exc:
+                span.set_status(trace.Status(trace.StatusCode.ERROR, f"{exc.code.name}: {exc.message}"))
+                log.info("ended with %s: %s", exc.code.name, exc.message)
                 raise
             finally:
                 span.set_attribute("pdserve.output_tokens", generated)
 
+    def _finished(self, response: gateway_pb2.GenerateResponse, seconds: float, generated: int) -> None:
+        usage, timing = response.usage, response.timing
+        self.metrics.observe("pdserve_e2e_request_latency_seconds", seconds)
+        self.metrics.count("pdserve_prompt_tokens", usage.prompt_tokens)
+        span = trace.get_current_span()
+        span.add_event("finish", {"pdserve.finish_reason": response.finish_reason})
+        span.set_attributes({"pdserve.prompt_tokens": usage.prompt_tokens, "pdserve.retries": timing.retries,
+                             "pdserve.migrations": timing.migrations, "pdserve.kv_transport": timing.kv_transport,
+                             "pdserve.kv_bytes": timing.kv_bytes})
+        log.info("finished (%s): %d prompt + %d tokens, TTFT %.0f ms, total %.0f ms, %d retries, %d migrations",
+                 response.finish_reason, usage.prompt_tokens, generated, timing.ttft_ms, timing.total_ms,
+                 timing.retries, timing.migrations)
+
     async def _handle(
-        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext, arrived: float
+        self, request: gateway_pb2.GenerateRequest, deadline: float | None, arrived: float
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         try:
             params = parse_request(request, self.tokenizer, self.model.vocab_size, self.model.max_model_len)
         except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         trace.get_current_span().set_attribute("pdserve.request_id", params.request_id)
         logs.for_request(params.request_id)
         if params.request_id in self._in_flight:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {params.request_id!r} is in flight")
+            raise RequestFailed(grpc.StatusCode.ALREADY_EXISTS, f"request_id {params.request_id!r} is in flight")
         self._in_flight.add(params.request_id)
         self._tasks[params.request_id] = asyncio.current_task()
         self.metrics.count("pdserve_requests")
         timings = Timings()
         try:
-            remaining = context.time_remaining()
-            deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
             queued = time.perf_counter()
             async with self.admission.slot(deadline):
                 admitted = time.perf_counter()
@@ -233,18 +275,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         yield response
         except Overloaded as exc:
             self.metrics.count("pdserve_rejections")
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), trailing_metadata=self._retry_hint())
+            raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), self.admission.retry_after_ms) from None
         except GatewayError as exc:
-            hint: tuple[tuple[str, str], ...] = ()
+            retry_after_ms = 0
             if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 self.metrics.count("pdserve_rejections")
-                hint = self._retry_hint()
-            await context.abort(exc.code, exc.message, trailing_metadata=hint)
+                retry_after_ms = self.admission.retry_after_ms
+            raise RequestFailed(exc.code, exc.message, retry_after_ms) from None
         except asyncio.CancelledError:
             self.metrics.count("pdserve_cancellations")
             if params.request_id in self._cancelled:  # Cancel, not the client: the client gets a status
-                await context.abort(grpc.StatusCode.CANCELLED,
-                                    f"request {params.request_id!r} was cancelled by a Cancel call")
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                raise RequestFailed(grpc.StatusCode.CANCELLED,
+                                    f"request {params.request_id!r} was cancelled by a Cancel call") from None
             raise
         finally:
             self._in_flight.discard(params.request_id)
@@ -253,13 +296,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             self.metrics.count("pdserve_retries", timings.retries)
             self.metrics.count("pdserve_migrations", timings.migrations)
 
-    def _retry_hint(self) -> tuple[tuple[str, str], ...]:
-        """Trailing metadata of a refusal for capacity: when to try again."""
-        return (("retry-after-ms", str(self.admission.retry_after_ms)),)
-
     async def Cancel(
         self, request: gateway_pb2.CancelRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.CancelResponse:
+        if not self.keys.allows(context.invocation_metadata()):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, self.keys.refusal)
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         task = self._tasks.get(request.request_id)
@@ -320,7 +361,11 @@ async def serve(config: GatewayConfig) -> None:
     await asyncio.gather(prefill.fetch_info(config.startup_timeout_s), decode.fetch_info(config.startup_timeout_s))
     model = check_pairing(prefill, decode)
     servicer = GatewayServicer(tokenizer, model, prefill, decode, config.colocate_below, config.retry,
-                               config.admission)
+                               config.admission, ApiKeys.load(config.api_key_file))
+    http = OpenAIServer(servicer, config.served_model_name or _model_name(config.model))
+    announce = {}
+    if config.http_port >= 0:
+        announce["http"] = await http.start(config.server.host, config.http_port)
 
     def register(server: grpc.aio.Server) -> list[str]:
         gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
@@ -329,9 +374,15 @@ async def serve(config: GatewayConfig) -> None:
     polls = [asyncio.ensure_future(pool.poll(config.poll_interval_s)) for pool in (prefill, decode) if pool.workers]
 
     async def shutdown() -> None:
+        await http.stop()
         for poll in polls:
             poll.cancel()
         await prefill.close()
         await decode.close()
 
-    await serving.serve("gateway", config.server, register, shutdown, servicer.metrics)
+    await serving.serve("gateway", config.server, register, shutdown, servicer.metrics, announce)
+
+
+def _model_name(model: str) -> str:
+    """The name clients use for the model: the default model's name, or a model directory's name."""
+    return model if model == DEFAULT_MODEL else os.path.basename(os.path.normpath(model))

@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,8 +55,11 @@ def _converted_default_model() -> Path:
             return target
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        started = time.monotonic()
         log.warning("converting %s to safetensors once (~20 s); cached at %s", _DEFAULT_GGUF, target)
+        log.warning("conversion 1/3: reading the tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_DEFAULT_GGUF)
+        log.warning("conversion 2/3: de-quantising the weights")
         model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_DEFAULT_GGUF, dtype=torch.float32)
         # The weights are de-quantised floats now; drop the GGUF marker so save_pretrained accepts them.
         del model.config.quantization_config
@@ -63,11 +67,13 @@ def _converted_default_model() -> Path:
         model.config.name_or_path = DEFAULT_MODEL
         staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{DEFAULT_MODEL}-"))
         try:
+            log.warning("conversion 3/3: saving safetensors")
             model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
             os.replace(staging, target)  # atomic: readers see a whole model or none
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+        log.warning("converted in %.0f s", time.monotonic() - started)
     return target
 
 

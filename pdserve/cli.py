@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> None:
     cluster.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     cluster.add_argument("--host", default="127.0.0.1", help="address every service listens on")
     cluster.add_argument("--port", type=int, default=0, help="gateway port (default: a free port)")
+    cluster.add_argument("--http-port", type=int, default=0,
+                         help="the gateway's OpenAI-compatible HTTP port (default: a free port; -1: off)")
     cluster.add_argument("--prefill-ports", default="", help="comma-separated ports for the prefill workers")
     cluster.add_argument("--decode-ports", default="", help="comma-separated ports for the decode workers")
     cluster.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: cores / workers)")
@@ -56,18 +58,31 @@ def main(argv: list[str] | None = None) -> None:
                          help="once healthy, stream one completion with its timing breakdown")
     cluster.set_defaults(run=_cluster)
 
-    generate = commands.add_parser("generate", help="stream a completion from a running gateway",
-                                   description="Stream a completion for PROMPT from a gateway to the terminal.")
+    client = argparse.ArgumentParser(add_help=False)  # what `generate` and `chat` share
+    client.add_argument("--address", default="127.0.0.1:50051", help="gateway host:port (default: %(default)s)")
+    client.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY", ""),
+                        help="sent as `authorization: Bearer KEY` (default: $PDSERVE_API_KEY)")
+    client.add_argument("--max-tokens", type=int, default=None, help="default: 128, or what the context leaves")
+    client.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: 1)")
+    client.add_argument("--top-p", type=float, default=None)
+    client.add_argument("--seed", type=int, default=None)
+    client.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    client.add_argument("--timeout", type=float, default=None, help="deadline in seconds, per request")
+
+    generate = commands.add_parser("generate", parents=[client], help="stream a completion from a running gateway",
+                                   description="Stream a completion for PROMPT from a gateway to the terminal "
+                                   "(the timing breakdown goes to stderr).")
     generate.add_argument("prompt")
-    generate.add_argument("--address", default="127.0.0.1:50051", help="gateway host:port (default: %(default)s)")
-    generate.add_argument("--max-tokens", type=int, default=None)
-    generate.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: 1)")
-    generate.add_argument("--top-p", type=float, default=None)
-    generate.add_argument("--seed", type=int, default=None)
-    generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    generate.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     generate.set_defaults(run=_generate)
+
+    chat = commands.add_parser("chat", parents=[client], help="talk to the model, streaming, with its chat template",
+                               description="An interactive conversation with a running gateway: each line you type "
+                               "is a user turn; the reply streams back, and the whole conversation is sent each turn "
+                               "(the gateway applies the model's chat template). /reset starts over; an empty "
+                               "line, Ctrl-D or Ctrl-C ends it.")
+    chat.add_argument("--system", default="", help="a system message that opens the conversation")
+    chat.set_defaults(run=_chat)
 
     trace = commands.add_parser("trace", help="a request's spans as a terminal waterfall, from a local capture",
                                 description="Print the span tree of REQUEST_ID's trace (gateway, queue, prefill, "
@@ -116,6 +131,7 @@ def _cluster(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         config = ClusterConfig(prefill=args.prefill, decode=args.decode, model=args.model, dtype=args.dtype,
                                device=args.device, host=args.host, gateway_port=args.port,
+                               http_port=args.http_port,
                                prefill_ports=_ports(args.prefill_ports), decode_ports=_ports(args.decode_ports),
                                threads=args.threads, prefill_args=tuple(args.prefill_arg),
                                gateway_args=tuple(args.gateway_arg),
@@ -132,8 +148,11 @@ def _cluster(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                                       "request_id": "demo"})
         if args.trace_dir:
             _print_trace("demo", args.trace_dir)
-        print(f"serving; try: pdserve generate --address {cluster.gateway.address} \"Hello\"   (Ctrl-C stops)",
-              file=sys.stderr, flush=True)
+        hints = [f"pdserve chat --address {cluster.gateway.address}"]
+        if cluster.gateway.http:
+            hints.append(f"curl http://{cluster.gateway.http}/v1/chat/completions -H 'Content-Type: "
+                         "application/json' -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}]}'")
+        print("serving (Ctrl-C stops); try:\n  " + "\n  ".join(hints), file=sys.stderr, flush=True)
     serve_until_signal(cluster)
     return 0
 
@@ -177,33 +196,72 @@ def _trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return waterfall.main(args.request_id, Path(args.dir), args.all)
 
 
-def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    fields: dict[str, object] = {"prompt": args.prompt, "stop": args.stop}
+def _sampling(args: argparse.Namespace) -> dict[str, object]:
+    fields: dict[str, object] = {"stop": args.stop}
     for name in ("max_tokens", "temperature", "top_p", "seed"):
         if getattr(args, name) is not None:
             fields[name] = getattr(args, name)
+    return fields
+
+
+def _chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from pdserve.client import stream
+
+    opening = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(opening)
+    interactive = sys.stdin.isatty()
+    while True:
+        try:
+            line = input("you> " if interactive else "")
+        except (EOFError, KeyboardInterrupt):
+            break
+        if not line.strip():
+            break
+        if line.strip() == "/reset":
+            messages = list(opening)
+            continue
+        messages.append({"role": "user", "content": line})
+        reply = []
+        try:
+            for response in stream(args.address, args.timeout, args.api_key, messages=messages, **_sampling(args)):
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
+                reply.append(response.text)
+        except KeyboardInterrupt:  # stops this reply (leaving the stream cancels it); the conversation goes on
+            print(" [interrupted]")
+        except grpc.RpcError as exc:
+            print(f"pdserve chat: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+            return 1
+        print()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    fields = {"prompt": args.prompt, **_sampling(args)}
     try:
         if args.json:
             from pdserve.client import generate
 
-            completion = generate(args.address, args.timeout, **fields)
+            completion = generate(args.address, args.timeout, args.api_key, **fields)
             print(json.dumps({"request_id": completion.request_id, "text": completion.text,
                               "token_ids": completion.token_ids, "finish_reason": completion.finish_reason,
                               "usage": {"prompt_tokens": completion.usage.prompt_tokens,
                                         "completion_tokens": completion.usage.completion_tokens}
                               if completion.usage else None}))
         else:
-            _stream_to_terminal(args.address, fields, args.timeout)
+            _stream_to_terminal(args.address, fields, args.timeout, args.api_key)
     except grpc.RpcError as exc:
         print(f"pdserve generate: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
         return 1
     return 0
 
 
-def _stream_to_terminal(address: str, fields: dict[str, object], timeout: float | None = None) -> None:
+def _stream_to_terminal(address: str, fields: dict[str, object], timeout: float | None = None,
+                        api_key: str = "") -> None:
     from pdserve.client import stream
 
-    for response in stream(address, timeout, **fields):
+    for response in stream(address, timeout, api_key, **fields):
         sys.stdout.write(response.text)
         sys.stdout.flush()
         if response.finish_reason:

@@ -21,19 +21,25 @@ class Completion:
     timing: gateway_pb2.Timing | None = None
 
 
-def stream(address: str, timeout: float | None = None, **fields: Any) -> Iterator[gateway_pb2.GenerateResponse]:
-    """Yield the gateway's responses for one request; `fields` are GenerateRequest fields."""
+def stream(address: str, timeout: float | None = None, api_key: str = "",
+           **fields: Any) -> Iterator[gateway_pb2.GenerateResponse]:
+    """Yield the gateway's responses for one request; `fields` are GenerateRequest fields (`messages` may be
+    a list of {"role", "content"} dicts). `api_key` is sent as `authorization: Bearer ...` when given."""
+    if fields.get("messages"):
+        fields["messages"] = [gateway_pb2.ChatMessage(**m) if isinstance(m, dict) else m for m in fields["messages"]]
+    metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
     with grpc.insecure_channel(address) as channel:
-        call = gateway_pb2_grpc.GatewayStub(channel).Generate(gateway_pb2.GenerateRequest(**fields), timeout=timeout)
+        call = gateway_pb2_grpc.GatewayStub(channel).Generate(gateway_pb2.GenerateRequest(**fields), timeout=timeout,
+                                                              metadata=metadata)
         try:
             yield from call
         finally:
             call.cancel()  # leaving the loop early cancels the request on every service
 
 
-def generate(address: str, timeout: float | None = None, **fields: Any) -> Completion:
+def generate(address: str, timeout: float | None = None, api_key: str = "", **fields: Any) -> Completion:
     completion = Completion()
-    for response in stream(address, timeout, **fields):
+    for response in stream(address, timeout, api_key, **fields):
         completion.request_id = response.request_id
         completion.token_ids.extend(response.token_ids)
         completion.text += response.text

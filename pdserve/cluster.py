@@ -29,6 +29,7 @@ class ClusterConfig:
     device: str = "cpu"
     host: str = "127.0.0.1"
     gateway_port: int = 0
+    http_port: int = 0  # the gateway's OpenAI-compatible HTTP; 0 = a free port, -1 = off
     prefill_ports: tuple[int, ...] = ()
     decode_ports: tuple[int, ...] = ()
     threads: int = 0  # per worker; 0 = the host's cores shared out evenly
@@ -72,10 +73,12 @@ class Service:
     address: str = ""
     cpus: set[int] | None = None  # pinned to these cores, or None
     metrics: str = ""  # host:port of its Prometheus /metrics
+    http: str = ""  # the gateway's OpenAI-compatible HTTP host:port
 
     def summary(self) -> dict[str, object]:
-        return {"address": self.address, "pid": self.process.pid, "cpus": sorted(self.cpus) if self.cpus else None,
-                "metrics": self.metrics}
+        summary = {"address": self.address, "pid": self.process.pid, "cpus": sorted(self.cpus) if self.cpus else None,
+                   "metrics": self.metrics}
+        return {**summary, "http": self.http} if self.http else summary
 
 
 @dataclass
@@ -151,6 +154,7 @@ def _await_ready(services: list[Service], deadline: float) -> None:
                 continue
             announced = json.loads(line)
             service.address, service.metrics = announced["address"], announced.get("metrics", "")
+            service.http = announced.get("http", "")
 
 
 def wait_healthy(address: str, timeout_s: float) -> None:
@@ -193,7 +197,7 @@ def start(config: ClusterConfig) -> Cluster:
         prefill = [w for w in workers if w.role == "prefill"]
         decode = [w for w in workers if w.role == "decode"]
         gateway_args = ["--host", config.host, "--port", str(config.gateway_port), "--model", model_dir,
-                        "--colocate-below", str(config.colocate_below)]
+                        "--colocate-below", str(config.colocate_below), "--http-port", str(config.http_port)]
         gateway_args += [f"--prefill={w.address}" for w in prefill] + [f"--decode={w.address}" for w in decode]
         gateway_args += config.gateway_args
         gateway = _spawn("gateway", "gateway", gateway_args, env=env)

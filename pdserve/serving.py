@@ -60,12 +60,13 @@ async def serve(
     register: Callable[[grpc.aio.Server], list[str]],
     on_shutdown: Callable[[], Awaitable[None]] | None = None,
     metrics: Metrics | None = None,
+    announce: dict[str, str] | None = None,
 ) -> None:
     """Run a gRPC server (and its /metrics) until SIGINT/SIGTERM.
 
     `register` adds the servicers and returns their full service names. Once serving, one JSON line
-    {"role", "address", "pid", "metrics"} goes to stdout: `pdserve cluster` and the tests read it to learn the
-    free ports.
+    {"role", "address", "pid", "metrics", **announce} goes to stdout: `pdserve cluster` and the tests read it to
+    learn the free ports.
     Shutdown is ordered: health turns NOT_SERVING, new calls are refused, in-flight calls get `grace_s`, then
     `on_shutdown` releases what the service holds.
     """
@@ -91,7 +92,8 @@ async def serve(
     metrics_address = ""
     if metrics is not None and config.metrics_port >= 0:
         metrics_address = metrics.start(config.host, config.metrics_port)
-    print(json.dumps({"role": role, "address": address, "pid": os.getpid(), "metrics": metrics_address}), flush=True)
+    print(json.dumps({"role": role, "address": address, "pid": os.getpid(), "metrics": metrics_address,
+                      **(announce or {})}), flush=True)
     logging.getLogger(role).info("serving on %s", address)
 
     stop = asyncio.Event()

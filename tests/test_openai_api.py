@@ -1,0 +1,187 @@
+"""The gateway's OpenAI-compatible HTTP API, driven by the official `openai` client against a real cluster, and
+API keys on both transports."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+
+from pdserve.client import generate, stream
+from pdserve.cluster import Cluster
+from protos import gateway_pb2, gateway_pb2_grpc
+from tests.conftest import assert_nothing_held, start_cluster
+from tests.test_metrics import _live
+
+KEY = "sk-test-0123456789"
+MODEL = "tiny-llama"  # --served-model-name
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny_model_dir: Path) -> Iterator[Cluster]:
+    """One request at a time (--max-in-flight 1, no queue), so a second one is refused for load."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PDSERVE_API_KEYS", KEY)
+        cluster = start_cluster(tiny_model_dir, gateway_args=("--max-in-flight=1", "--max-queue=0",
+                                                              f"--served-model-name={MODEL}"))
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def client(keyed: Cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{keyed.gateway.http}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
+    assert [model.id for model in client.models.list()] == [MODEL]
+
+
+def test_chat_streams_the_same_tokens_as_grpc_with_usage(client: openai.OpenAI, keyed: Cluster) -> None:
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0,  # type: ignore
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None and usage.completion_tokens == 8
+    assert all(c.usage is None for c in chunks[:-1])
+    # The gateway applies the chat template for gRPC `messages` too: the same tokens, the same text.
+    same = generate(keyed.gateway.address, 60, KEY, messages=CHAT, max_tokens=8, temperature=0, ignore_eos=True)
+    assert same.text == text and same.usage.prompt_tokens == usage.prompt_tokens  # type: ignore[union-attr]
+    whole = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0,  # type: ignore
+                                           extra_body={"ignore_eos": True})
+    assert whole.choices[0].message.content == text and whole.choices[0].finish_reason == "length"
+    assert whole.usage is not None and whole.usage.total_tokens == usage.prompt_tokens + 8
+    assert whole.id.startswith("chatcmpl-") and whole.object == "chat.completion"
+
+
+def test_completions_honour_max_tokens_and_stop(client: openai.OpenAI, keyed: Cluster) -> None:
+    full = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert full.choices[0].finish_reason == "length" and full.usage is not None
+    assert full.usage.completion_tokens == 12
+    text = full.choices[0].text
+    stop = text[len(text) // 2 :][:3]  # a stop string from the middle of the greedy text
+    assert stop.strip()
+    stopped = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12,
+                                        temperature=0, stop=[stop], extra_body={"ignore_eos": True})
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == text[: text.index(stop)]
+    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}))
+    assert streamed == text
+    assert_nothing_held(keyed)
+
+
+@pytest.mark.parametrize(("kwargs", "param"), [
+    ({"temperature": 5}, None),  # checked by the gateway, as for gRPC: the message names it
+    ({"n": 2}, "n"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"logprobs": True}, "logprobs"),
+    ({"stop": [""]}, "stop"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, None),
+])
+def test_bad_parameters_are_400_with_the_parameter_named(client: openai.OpenAI, keyed: Cluster,
+                                                          kwargs: dict, param: str | None) -> None:
+    request = {"model": MODEL, "messages": CHAT, "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(**request)
+    assert refused.value.status_code == 400
+    error = refused.value.body
+    assert isinstance(error, dict) and error["type"] == "invalid_request_error" and error["message"]
+    if param:
+        assert error["param"] == param
+    else:
+        assert next(iter(kwargs)) in error["message"] or "role" in error["message"]
+    assert_nothing_held(keyed)
+
+
+def test_bad_key_unknown_model_and_bad_json_are_refused(keyed: Cluster) -> None:
+    wrong = openai.OpenAI(base_url=f"http://{keyed.gateway.http}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as refused:
+        wrong.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
+    assert refused.value.status_code == 401 and refused.value.code == "invalid_api_key"
+    good = openai.OpenAI(base_url=f"http://{keyed.gateway.http}/v1", api_key=KEY, max_retries=0)
+    with pytest.raises(openai.NotFoundError) as missing:
+        good.chat.completions.create(model="gpt-5", messages=CHAT, max_tokens=2)
+    assert missing.value.code == "model_not_found"
+    status, body, _ = _post(keyed, "/v1/completions", b"{not json")
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body, _ = _post(keyed, "/v1/nowhere", b"{}")
+    assert status == 404 and body["error"]["type"] == "not_found_error"
+
+
+def test_grpc_needs_the_key_too(keyed: Cluster) -> None:
+    with pytest.raises(grpc.RpcError) as refused:
+        generate(keyed.gateway.address, 30, prompt="Hi", max_tokens=2)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
+    with grpc.insecure_channel(keyed.gateway.address) as channel, pytest.raises(grpc.RpcError) as cancel:
+        gateway_pb2_grpc.GatewayStub(channel).Cancel(gateway_pb2.CancelRequest(request_id="x"), timeout=10,
+                                                      metadata=[("authorization", "Bearer sk-wrong")])
+    assert cancel.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
+    assert generate(keyed.gateway.address, 30, KEY, prompt="Hi", max_tokens=2).finish_reason
+
+
+def test_refused_for_load_is_429_with_retry_after(client: openai.OpenAI, keyed: Cluster) -> None:
+    holding = stream(keyed.gateway.address, 60, KEY, prompt="Tell me a story", max_tokens=400, ignore_eos=True)
+    next(holding)  # the one place is taken
+    try:
+        status, body, headers = _post(keyed, "/v1/completions", json.dumps(
+            {"model": MODEL, "prompt": "Hi", "max_tokens": 2}).encode())
+        assert status == 429 and body["error"]["type"] == "rate_limit_error"
+        assert int(headers["Retry-After"]) >= 1
+    finally:
+        holding.close()  # type: ignore[attr-defined]
+    _wait_idle(keyed)
+
+
+def test_disconnecting_an_sse_client_frees_everything_on_every_service(keyed: Cluster) -> None:
+    host, port = keyed.gateway.http.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    connection.request("POST", "/v1/chat/completions", json.dumps(
+        {"model": MODEL, "messages": CHAT, "max_tokens": 400, "ignore_eos": True, "stream": True}),
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200 and response.getheader("Content-Type", "").startswith("text/event-stream")
+    events = 0
+    while events < 3:  # the stream is live: a few events arrived
+        line = response.readline()
+        events += line.startswith(b"data: ")
+    live = _live(keyed)
+    assert live["pdserve_live_requests"] == 1 and live["pdserve_live_sequences"] == 1
+    connection.sock.close()  # type: ignore[union-attr]  # the client goes away mid-stream
+    connection.close()
+    _wait_idle(keyed)
+    assert_nothing_held(keyed)
+
+
+def _post(cluster: Cluster, path: str, body: bytes) -> tuple[int, dict, dict[str, str]]:
+    host, port = cluster.gateway.http.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        connection.request("POST", path, body, headers={"Authorization": f"Bearer {KEY}",
+                                                        "Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read()), dict(response.getheaders())
+    finally:
+        connection.close()
+
+
+def _wait_idle(cluster: Cluster, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while set(_live(cluster).values()) != {0}:
+        assert time.monotonic() < deadline, _live(cluster)
+        time.sleep(0.02)
