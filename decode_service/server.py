@@ -47,6 +47,7 @@ from model_runner.loading import LoadedModel, ModelConfig, add_model_args, model
 from pdserve import logs, serving, tracing
 from pdserve.metrics import Metrics
 from pdserve.serving import MAX_MESSAGE_BYTES, ServerConfig, add_server_args, server_config
+from pdserve.tls import require_peer
 from protos import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, worker_pb2
 from protos.convert import model_info, sampling_from_pb
 
@@ -172,6 +173,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                         "pdserve.colocated": bool(request.prompt_token_ids)},
         ) as span:
             logs.for_request(request.request_id)
+            await require_peer(context, "gateway", "Generate (a decode reservation)")
             generated = 0
             try:
                 async for event in self._generate(request, context):
@@ -300,6 +302,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def TransferKV(
         self, request_iterator: AsyncIterator[codec.Received], context: grpc.aio.ServicerContext
     ) -> kv_transfer_pb2.KVTransferAck:
+        await require_peer(context, "prefill", "TransferKV")
         receiver = KVReceiver(self.spec, self.config.max_chunk_bytes, self.staging)
         span = _Spans()
         started = time.perf_counter()

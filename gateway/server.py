@@ -357,7 +357,8 @@ async def serve(config: GatewayConfig) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, resolve_model(config.model))
-    prefill, decode = Pool("prefill", config.prefill), Pool("decode", config.decode)
+    prefill = Pool("prefill", config.prefill, tls=config.server.tls)
+    decode = Pool("decode", config.decode, tls=config.server.tls)
     await asyncio.gather(prefill.fetch_info(config.startup_timeout_s), decode.fetch_info(config.startup_timeout_s))
     model = check_pairing(prefill, decode)
     servicer = GatewayServicer(tokenizer, model, prefill, decode, config.colocate_below, config.retry,

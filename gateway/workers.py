@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.serving import MAX_MESSAGE_BYTES
+from pdserve.tls import TLS, aio_channel
 from protos import decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -97,8 +98,9 @@ class Pool:
     resolves to, and `refresh` re-resolves it, adding workers (unused until a poll finds them serving the
     pool's model) and dropping workers that are gone."""
 
-    def __init__(self, role: str, addresses: list[str], resolver: Resolver = resolve) -> None:
+    def __init__(self, role: str, addresses: list[str], resolver: Resolver = resolve, tls: TLS | None = None) -> None:
         self.role = role
+        self.tls = tls  # mutual TLS to the workers, each checked to hold a certificate for `role`
         self.names = addresses
         self._resolver = resolver
         self.workers: list[Worker] = []
@@ -112,7 +114,7 @@ class Pool:
         stub_class = prefill_pb2_grpc.PrefillStub if self.role == "prefill" else decode_pb2_grpc.DecodeStub
         options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-        channel = grpc.aio.insecure_channel(address, options=options)
+        channel = aio_channel(address, self.tls, options, expect=self.role)
         return Worker(address, channel, stub_class(channel), health=health_pb2_grpc.HealthStub(channel))
 
     def _resolve(self) -> list[str]:

@@ -18,6 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from model_runner.loading import DEFAULT_MODEL, DTYPES, resolve_model
 from pdserve import tracing
 from pdserve.logs import LOG_FORMAT_ENV
+from pdserve.tls import TLS
+from pdserve.tls import channel as tls_channel
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class ClusterConfig:
     colocate_below: int = 0  # the gateway sends prompts shorter than this to decode workers that prefill them
     trace_dir: str = ""  # every process appends its spans here (OTLP JSON lines) for `pdserve trace`
     log_format: str = ""  # "json": every process logs JSON lines (trace and request ids on request lines)
+    tls_dir: str = ""  # mutual TLS between every process, with the certificates deploy/make-certs.sh writes here
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
@@ -86,6 +89,11 @@ class Cluster:
     gateway: Service
     prefill: list[Service] = field(default_factory=list)
     decode: list[Service] = field(default_factory=list)
+    tls: TLS | None = None  # the client identity (client.pem) when the cluster runs mutual TLS
+
+    def channel(self, service: Service) -> grpc.Channel:
+        """A blocking channel to one of the cluster's services, with the client certificate under mutual TLS."""
+        return tls_channel(service.address, self.tls, expect=service.role)
 
     @property
     def services(self) -> list[Service]:
@@ -157,8 +165,8 @@ def _await_ready(services: list[Service], deadline: float) -> None:
             service.http = announced.get("http", "")
 
 
-def wait_healthy(address: str, timeout_s: float) -> None:
-    with grpc.insecure_channel(address) as channel:
+def wait_healthy(address: str, timeout_s: float, tls: TLS | None = None, expect: str = "") -> None:
+    with tls_channel(address, tls, expect=expect) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         deadline = time.monotonic() + timeout_s
         while True:
@@ -178,6 +186,17 @@ def start(config: ClusterConfig) -> Cluster:
     deadline = time.monotonic() + config.startup_timeout_s
     worker_flags = ["--host", config.host, "--model", model_dir, "--dtype", config.dtype, "--device", config.device,
                     "--threads", str(config.threads_per_worker)]
+    client_tls = None
+    if config.tls_dir:
+        client_tls = TLS(*(os.path.join(config.tls_dir, name) for name in ("client.pem", "client-key.pem", "ca.pem")))
+
+    def tls_flags(role: str) -> list[str]:
+        if not config.tls_dir:
+            return []
+        return [f"--tls-cert={os.path.join(config.tls_dir, role + '.pem')}",
+                f"--tls-key={os.path.join(config.tls_dir, role + '-key.pem')}",
+                f"--tls-ca={os.path.join(config.tls_dir, 'ca.pem')}"]
+
     env = dict(os.environ)
     if config.trace_dir:
         env[tracing.TRACE_DIR_ENV] = os.path.abspath(config.trace_dir)
@@ -191,21 +210,21 @@ def start(config: ClusterConfig) -> Cluster:
                                           ("decode", config.decode, config.decode_ports, config.decode_args)):
             for i in range(count):
                 port = ports[i] if ports else 0
-                workers.append(_spawn(role, f"{role}_service", [*worker_flags, *extra, "--port", str(port)],
-                                      next(cpus), env))
+                workers.append(_spawn(role, f"{role}_service", [*worker_flags, *tls_flags(role), *extra,
+                                                                 "--port", str(port)], next(cpus), env))
         _await_ready(workers, deadline)
         prefill = [w for w in workers if w.role == "prefill"]
         decode = [w for w in workers if w.role == "decode"]
         gateway_args = ["--host", config.host, "--port", str(config.gateway_port), "--model", model_dir,
                         "--colocate-below", str(config.colocate_below), "--http-port", str(config.http_port)]
         gateway_args += [f"--prefill={w.address}" for w in prefill] + [f"--decode={w.address}" for w in decode]
-        gateway_args += config.gateway_args
+        gateway_args += [*tls_flags("gateway"), *config.gateway_args]
         gateway = _spawn("gateway", "gateway", gateway_args, env=env)
         workers.append(gateway)
         _await_ready([gateway], deadline)
-        cluster = Cluster(gateway, prefill, decode)
+        cluster = Cluster(gateway, prefill, decode, client_tls)
         for service in cluster.services:
-            wait_healthy(service.address, max(1.0, deadline - time.monotonic()))
+            wait_healthy(service.address, max(1.0, deadline - time.monotonic()), client_tls, service.role)
         return cluster
     except BaseException:
         stop_all(workers, grace_s=5)

@@ -18,8 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from pdserve import logs, tracing
+from pdserve import logs, tls, tracing
 from pdserve.metrics import Metrics
+from pdserve.tls import TLS
 
 MAX_MESSAGE_BYTES = 8 << 20  # KV chunks are 1 MiB by default; anything near this limit is malformed
 
@@ -30,6 +31,8 @@ class ServerConfig:
     port: int = 0  # 0 = a free port, reported on stdout once serving
     grace_s: float = 5.0
     metrics_port: int = 0  # Prometheus /metrics over HTTP; 0 = a free port, reported with the address; -1 = off
+    tls: TLS | None = None  # mutual TLS for this server and the calls it makes
+    max_concurrent_rpcs: int = 1024  # calls beyond this are refused with RESOURCE_EXHAUSTED
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -38,6 +41,8 @@ class ServerConfig:
             raise ValueError(f"--metrics-port {self.metrics_port}: expected -1 (off) or 0..65535")
         if self.grace_s < 0:
             raise ValueError(f"--grace {self.grace_s}: must be >= 0")
+        if self.max_concurrent_rpcs < 1:
+            raise ValueError(f"--max-concurrent-rpcs {self.max_concurrent_rpcs}: must be >= 1")
 
 
 def add_server_args(parser: argparse.ArgumentParser, default_port: int = 0) -> None:
@@ -48,10 +53,14 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int = 0) -> N
                        help="seconds in-flight calls get to finish on SIGTERM (default: %(default)s)")
     group.add_argument("--metrics-port", type=int, default=0,
                        help="HTTP port of Prometheus /metrics; 0 picks a free one, -1 turns it off (default: 0)")
+    group.add_argument("--max-concurrent-rpcs", type=int, default=1024,
+                       help="calls served at once; more are refused with RESOURCE_EXHAUSTED (default: %(default)s)")
+    tls.add_args(group)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(host=args.host, port=args.port, grace_s=args.grace_s, metrics_port=args.metrics_port)
+    return ServerConfig(host=args.host, port=args.port, grace_s=args.grace_s, metrics_port=args.metrics_port,
+                        tls=tls.from_args(args), max_concurrent_rpcs=args.max_concurrent_rpcs)
 
 
 async def serve(
@@ -76,13 +85,17 @@ async def serve(
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.aio.server(options=options)
+    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs)
     services = register(server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection([*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                                          reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    listen = f"{config.host}:{config.port}"
+    if config.tls is None:
+        port = server.add_insecure_port(listen)
+    else:
+        port = server.add_secure_port(listen, config.tls.server_credentials())
     if port == 0:
         raise SystemExit(f"{role}: cannot listen on {config.host}:{config.port}")
     await server.start()

@@ -40,6 +40,7 @@ from model_runner.sampling import SamplingParams
 from pdserve import logs, serving, tracing
 from pdserve.metrics import Metrics
 from pdserve.serving import MAX_MESSAGE_BYTES, ServerConfig, add_server_args, server_config
+from pdserve.tls import aio_channel, require_peer
 from prefill_service.engine import Abandoned, Prefilled, PrefillEngine, PrefillJob, QueueFull
 from protos import prefill_pb2, prefill_pb2_grpc, worker_pb2
 from protos.convert import model_info, sampling_from_pb
@@ -178,6 +179,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                         "pdserve.decode_address": request.decode_address},
         ) as span:
             logs.for_request(request.request_id)
+            await require_peer(context, "gateway", "Prefill")
             async for event in self._prefill(request, context):
                 if event.WhichOneof("event") == "first_token":
                     span.add_event("first token", {"pdserve.queue_ms": event.first_token.queue_ms,
@@ -303,10 +305,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=[
+            self._channels[address] = aio_channel(address, self.config.server.tls, options=[
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ])
+            ], expect="decode")
         return self._channels[address]
 
     async def GetInfo(

@@ -6,7 +6,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 
@@ -49,10 +48,10 @@ def _tiny_llama(tokenizer_dir: Path, path: Path, layers: int) -> Path:
 
 def start_cluster(model_dir: Path, prefill: int = 1, decode: int = 1, decode_args: tuple[str, ...] = (),
                   prefill_args: tuple[str, ...] = (), colocate_below: int = 0,
-                  gateway_args: tuple[str, ...] = ()) -> Cluster:
+                  gateway_args: tuple[str, ...] = (), tls_dir: str = "") -> Cluster:
     return start(ClusterConfig(prefill=prefill, decode=decode, model=str(model_dir), threads=1,
                                decode_args=decode_args, prefill_args=prefill_args, startup_timeout_s=180,
-                               colocate_below=colocate_below, gateway_args=gateway_args))
+                               colocate_below=colocate_below, gateway_args=gateway_args, tls_dir=tls_dir))
 
 
 @pytest.fixture(scope="session")
@@ -67,7 +66,7 @@ def worker_infos(cluster: Cluster, prefill: bool = True) -> list[worker_pb2.Work
     for services, stub_class in ((cluster.prefill if prefill else [], prefill_pb2_grpc.PrefillStub),
                                  (cluster.decode, decode_pb2_grpc.DecodeStub)):
         for service in services:
-            with grpc.insecure_channel(service.address) as channel:
+            with cluster.channel(service) as channel:  # with the client certificate under mutual TLS
                 infos.append(stub_class(channel).GetInfo(worker_pb2.WorkerInfoRequest(), timeout=5))
     return infos
 

@@ -1,0 +1,124 @@
+"""Mutual TLS across the cluster: the full path works with certificates, and everything else is refused.
+
+Certificates come from deploy/make-certs.sh (the development CA script), a second run of which plays a rogue CA.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from pdserve.cluster import Cluster
+from pdserve.tls import TLS, channel
+from protos import decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from tests.conftest import assert_nothing_held, start_cluster
+from tests.test_decode_handoff import _kv_stream, _reserve
+
+ROOT = Path(__file__).resolve().parent.parent
+LEASE_S = 2.0
+
+
+def _certs(directory: Path) -> Path:
+    subprocess.run(["bash", str(ROOT / "deploy" / "make-certs.sh"), str(directory)], check=True,
+                   capture_output=True, timeout=60)
+    return directory
+
+
+def _identity(certs: Path, role: str) -> TLS:
+    return TLS(str(certs / f"{role}.pem"), str(certs / f"{role}-key.pem"), str(certs / "ca.pem"))
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _certs(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture(scope="module")
+def secured(tiny_model_dir: Path, certs: Path) -> Iterator[Cluster]:
+    cluster = start_cluster(tiny_model_dir, decode_args=(f"--lease={LEASE_S}",), tls_dir=str(certs))
+    yield cluster
+    cluster.stop()
+
+
+def _generate(cluster: Cluster, identity: TLS | None, **fields: object) -> list[gateway_pb2.GenerateResponse]:
+    with channel(cluster.gateway.address, identity, expect="gateway") as chan:
+        return list(gateway_pb2_grpc.GatewayStub(chan).Generate(gateway_pb2.GenerateRequest(**fields), timeout=60))
+
+
+def test_the_full_request_path_works_under_mutual_tls(secured: Cluster, certs: Path) -> None:
+    responses = _generate(secured, _identity(certs, "client"), prompt="The capital of France is", max_tokens=5,
+                          ignore_eos=True)
+    assert responses[-1].finish_reason == "length" and responses[-1].usage.completion_tokens == 5
+    assert responses[-1].timing.kv_bytes > 0  # the KV went from prefill to decode over mutual TLS (or shm)
+    assert_nothing_held(secured)
+
+
+@pytest.mark.parametrize("role", ["gateway", "prefill", "decode"])
+def test_a_plain_text_client_is_refused_by_every_service(secured: Cluster, role: str) -> None:
+    service = {"gateway": secured.gateway, "prefill": secured.prefill[0], "decode": secured.decode[0]}[role]
+    with grpc.insecure_channel(service.address) as plain, pytest.raises(grpc.RpcError) as refused:
+        gateway_pb2_grpc.GatewayStub(plain).Generate(gateway_pb2.GenerateRequest(prompt="Hi"), timeout=10).next()
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+
+
+def test_a_client_whose_certificate_another_ca_signed_is_refused(secured: Cluster, certs: Path,
+                                                                 tmp_path: Path) -> None:
+    rogue = _certs(tmp_path / "rogue")
+    # It trusts the real CA (so it would accept the gateway), but presents a certificate the gateway cannot trust.
+    impostor = TLS(str(rogue / "client.pem"), str(rogue / "client-key.pem"), str(certs / "ca.pem"))
+    with pytest.raises(grpc.RpcError) as refused:
+        _generate(secured, impostor, prompt="Hi", max_tokens=2)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+    assert _generate(secured, _identity(certs, "client"), prompt="Hi", max_tokens=2)[-1].finish_reason
+
+
+def test_roles_authorise_the_calls_between_services(secured: Cluster, certs: Path) -> None:
+    client, gateway = _identity(certs, "client"), _identity(certs, "gateway")
+    decode_address, prefill_address = secured.decode[0].address, secured.prefill[0].address
+    with channel(decode_address, client, expect="decode") as chan, pytest.raises(grpc.RpcError) as reserve:
+        _reserve(decode_pb2_grpc.DecodeStub(chan), "not-a-gateway")  # only a gateway reserves
+    assert reserve.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
+    with channel(prefill_address, client, expect="prefill") as chan, pytest.raises(grpc.RpcError) as prefill:
+        prefill_pb2_grpc.PrefillStub(chan).Prefill(prefill_pb2.PrefillRequest(
+            request_id="x", token_ids=[1, 2, 3], decode_address=decode_address, reservation_token="t"),
+            timeout=10).next()
+    assert prefill.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
+    with channel(decode_address, gateway, expect="decode") as g:
+        stub = decode_pb2_grpc.DecodeStub(g)
+        call, token = _reserve(stub, "kv-from-a-gateway")
+        with pytest.raises(grpc.RpcError) as pushed:  # a gateway holding a real token still may not push KV
+            stub.TransferKV(iter(_kv_stream(stub, "kv-from-a-gateway", token)), timeout=10)
+        assert pushed.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
+        call.cancel()
+    assert_nothing_held(secured)
+
+
+def test_forged_reused_and_expired_reservation_tokens_are_refused_and_nothing_is_held(secured: Cluster,
+                                                                                      certs: Path) -> None:
+    decode_address = secured.decode[0].address
+    with channel(decode_address, _identity(certs, "gateway"), expect="decode") as g, \
+            channel(decode_address, _identity(certs, "prefill"), expect="decode") as p:
+        reserve, push = decode_pb2_grpc.DecodeStub(g), decode_pb2_grpc.DecodeStub(p)
+
+        def refused(messages: list) -> grpc.StatusCode:
+            with pytest.raises(grpc.RpcError) as error:
+                push.TransferKV(iter(messages), timeout=30)
+            return error.value.code()  # type: ignore[attr-defined]
+
+        call, token = _reserve(reserve, "forged")
+        assert refused(_kv_stream(reserve, "forged", "a-guess")) == grpc.StatusCode.PERMISSION_DENIED
+        messages = _kv_stream(reserve, "forged", token)
+        push.TransferKV(iter(messages), timeout=30)  # the holder of the real token gets through
+        assert list(call)[-1].tokens.finish_reason
+        assert refused(messages) == grpc.StatusCode.PERMISSION_DENIED  # reused
+        call, token = _reserve(reserve, "expired")
+        time.sleep(LEASE_S + 0.5)
+        assert refused(_kv_stream(reserve, "expired", token)) == grpc.StatusCode.PERMISSION_DENIED
+        with pytest.raises(grpc.RpcError):
+            list(call)
+    assert_nothing_held(secured)
