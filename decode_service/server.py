@@ -22,7 +22,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -67,6 +67,7 @@ class DecodeConfig:
     prefill_batch_tokens: int = 256  # colocated short prompts share a pass within this many padded tokens
     buffer_keep_mb: float = 1024  # idle transfer buffers kept warm, per kind (staging, segments)
     kv_warm_mb: float = 1024  # KV cache memory committed at startup, spread evenly over the slots
+    kv_port: int = -1  # TransferKV's own port: -1 = the main port; 0 = a free one
 
     def __post_init__(self) -> None:
         if self.max_seqs < 1:
@@ -84,13 +85,17 @@ class DecodeConfig:
             raise ValueError(f"--kv-buffer-keep-mb {self.buffer_keep_mb}: must be >= 0")
         if self.kv_warm_mb < 0:
             raise ValueError(f"--kv-warm-mb {self.kv_warm_mb}: must be >= 0")
+        if not -1 <= self.kv_port < 65536 or (self.kv_port and self.kv_port == self.server.port):
+            raise ValueError(f"--kv-port {self.kv_port}: expected -1 (the main port), 0 (a free one) or a port "
+                             "other than --port")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DecodeConfig:
         return cls(server=server_config(args), model=model_config(args), max_seqs=args.max_seqs,
                    kv_budget_mb=args.kv_budget_mb, lease_s=args.lease_s, max_chunk_bytes=args.max_chunk_bytes,
                    kv_shm=args.kv_shm, buffer_keep_mb=args.buffer_keep_mb, prefill_chunk=args.prefill_chunk,
-                   prefill_batch_tokens=args.prefill_batch_tokens, kv_warm_mb=args.kv_warm_mb)
+                   prefill_batch_tokens=args.prefill_batch_tokens, kv_warm_mb=args.kv_warm_mb,
+                   kv_port=args.kv_port)
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
@@ -114,6 +119,10 @@ class DecodeConfig:
                            "many tokens (default: %(default)s)")
         group.add_argument("--kv-buffer-keep-mb", type=float, default=1024, dest="buffer_keep_mb",
                            help="idle KV transfer buffers kept warm, per kind (default: %(default)s)")
+        group.add_argument("--kv-port", type=int, default=-1,
+                           help="serve TransferKV (the KV stream from prefill) on this port of its own, so a network "
+                           "policy can open it to prefill workers only; 0 picks a free one; -1 serves it on --port "
+                           "(default)")
         group.add_argument("--kv-warm-mb", type=float, default=1024,
                            help="KV cache memory committed at startup, spread evenly over the slots, so joining "
                            "sequences do not stall the batch on page faults (default: %(default)s)")
@@ -124,6 +133,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         spec = runner.spec
         self.config = config
         self.spec = spec
+        self.kv_port = 0  # TransferKV's own port, once listening; 0: the main port
         self.engine = DecodeEngine(runner, config.max_seqs, config.prefill_chunk, config.prefill_batch_tokens,
                                    on_step=self._observe_step)
         full = config.max_seqs * spec.max_model_len * spec.kv_bytes_per_token
@@ -205,7 +215,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 await self._lend_segment(reservation)
             lease_ms = int(self.config.lease_s * 1000)
             yield decode_pb2.DecodeEvent(reserved=decode_pb2.Reservation(
-                token=reservation.token, lease_ms=lease_ms,
+                token=reservation.token, lease_ms=lease_ms, kv_port=self.kv_port,
                 shm_segment=reservation.segment.name if reservation.segment else ""))
             async for token_ids, reason in self._relay(reservation, context):
                 yield decode_pb2.DecodeEvent(tokens=decode_pb2.DecodedTokens(token_ids=token_ids, finish_reason=reason))
@@ -497,22 +507,34 @@ async def serve(config: DecodeConfig) -> None:
     servicer = DecodeServicer(config, runner)
     servicer.engine.start()
 
-    def register(server: grpc.aio.Server) -> list[str]:
-        # The generated registration, except that TransferKV decodes its chunks as views (kv_wire.codec).
-        service = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
-        handlers = {
-            "Generate": grpc.unary_stream_rpc_method_handler(
-                servicer.Generate, request_deserializer=decode_pb2.DecodeRequest.FromString,
-                response_serializer=decode_pb2.DecodeEvent.SerializeToString),
-            "TransferKV": grpc.stream_unary_rpc_method_handler(
-                servicer.TransferKV, request_deserializer=codec.decode,
-                response_serializer=kv_transfer_pb2.KVTransferAck.SerializeToString),
-            "GetInfo": grpc.unary_unary_rpc_method_handler(
-                servicer.GetInfo, request_deserializer=worker_pb2.WorkerInfoRequest.FromString,
-                response_serializer=worker_pb2.WorkerInfo.SerializeToString),
-        }
-        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, handlers)])
-        return [service]
+    service = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
+    # The generated registration, except that TransferKV decodes its chunks as views (kv_wire.codec).
+    control = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=decode_pb2.DecodeRequest.FromString,
+            response_serializer=decode_pb2.DecodeEvent.SerializeToString),
+        "GetInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetInfo, request_deserializer=worker_pb2.WorkerInfoRequest.FromString,
+            response_serializer=worker_pb2.WorkerInfo.SerializeToString),
+    }
+    kv = {"TransferKV": grpc.stream_unary_rpc_method_handler(
+        servicer.TransferKV, request_deserializer=codec.decode,
+        response_serializer=kv_transfer_pb2.KVTransferAck.SerializeToString)}
+
+    def registering(handlers: dict[str, grpc.RpcMethodHandler]) -> Callable[[grpc.aio.Server], list[str]]:
+        def register(server: grpc.aio.Server) -> list[str]:
+            server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, handlers)])
+            return [service]
+
+        return register
+
+    also, announce = None, {}
+    if config.kv_port >= 0:  # TransferKV on a port of its own, which a network policy can open to prefill only
+        kv_server, servicer.kv_port, kv_health = await serving.listen("decode", config.server, config.kv_port,
+                                                                        registering(kv))
+        also, announce = (kv_server, kv_health), {"kv": f"{config.server.host}:{servicer.kv_port}"}
+    else:
+        control.update(kv)
 
     async def shutdown() -> None:
         await asyncio.to_thread(servicer.engine.stop)
@@ -520,4 +542,4 @@ async def serve(config: DecodeConfig) -> None:
         if servicer.segments is not None:
             servicer.segments.close()
 
-    await serving.serve("decode", config.server, register, shutdown, servicer.metrics)
+    await serving.serve("decode", config.server, registering(control), shutdown, servicer.metrics, announce, also)

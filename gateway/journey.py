@@ -35,6 +35,11 @@ _RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EX
                         grpc.StatusCode.CANCELLED})
 
 
+def kv_address(worker: str, kv_port: int) -> str:
+    """Where prefill sends a reservation's KV: the decode worker's own KV port, on its host, when it has one."""
+    return f"{worker.rpartition(':')[0]}:{kv_port}" if kv_port else worker
+
+
 class GatewayError(Exception):
     """A request failure with the status the client should see.
 
@@ -209,7 +214,7 @@ async def run(
     prefill_worker = prefill.in_turn(avoid | broken)[0]
     prefill_call = prefill_worker.stub.Prefill(prefill_pb2.PrefillRequest(
         request_id=params.request_id, token_ids=params.prompt_ids, sampling=sampling_to_pb(params.sampling),
-        decode_address=decode_worker.address, reservation_token=reservation.token,
+        decode_address=kv_address(decode_worker.address, reservation.kv_port), reservation_token=reservation.token,
         shm_segment=reservation.shm_segment), timeout=rpc_timeout, metadata=tracing.outgoing())
     transfer: asyncio.Future[prefill_pb2.TransferDone] | None = None
     try:

@@ -77,6 +77,7 @@ class Service:
     cpus: set[int] | None = None  # pinned to these cores, or None
     metrics: str = ""  # host:port of its Prometheus /metrics
     http: str = ""  # the gateway's OpenAI-compatible HTTP host:port
+    kv: str = ""  # a decode worker's TransferKV host:port, when it has one of its own (--kv-port)
 
     def summary(self) -> dict[str, object]:
         summary = {"address": self.address, "pid": self.process.pid, "cpus": sorted(self.cpus) if self.cpus else None,
@@ -162,7 +163,7 @@ def _await_ready(services: list[Service], deadline: float) -> None:
                 continue
             announced = json.loads(line)
             service.address, service.metrics = announced["address"], announced.get("metrics", "")
-            service.http = announced.get("http", "")
+            service.http, service.kv = announced.get("http", ""), announced.get("kv", "")
 
 
 def wait_healthy(address: str, timeout_s: float, tls: TLS | None = None, expect: str = "") -> None:

@@ -70,6 +70,7 @@ async def serve(
     on_shutdown: Callable[[], Awaitable[None]] | None = None,
     metrics: Metrics | None = None,
     announce: dict[str, str] | None = None,
+    also: tuple[grpc.aio.Server, HealthServicer] | None = None,
 ) -> None:
     """Run a gRPC server (and its /metrics) until SIGINT/SIGTERM.
 
@@ -77,30 +78,10 @@ async def serve(
     {"role", "address", "pid", "metrics", **announce} goes to stdout: `pdserve cluster` and the tests read it to
     learn the free ports.
     Shutdown is ordered: health turns NOT_SERVING, new calls are refused, in-flight calls get `grace_s`, then
-    `on_shutdown` releases what the service holds.
+    `on_shutdown` releases what the service holds. `also`: a second server (from `listen`) stopped with this one.
     """
     tracing.setup(role)
-    options = [
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.so_reuseport", 0),
-    ]
-    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs)
-    services = register(server)
-    health = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection([*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                                         reflection.SERVICE_NAME], server)
-    listen = f"{config.host}:{config.port}"
-    if config.tls is None:
-        port = server.add_insecure_port(listen)
-    else:
-        port = server.add_secure_port(listen, config.tls.server_credentials())
-    if port == 0:
-        raise SystemExit(f"{role}: cannot listen on {config.host}:{config.port}")
-    await server.start()
-    for name in ["", *services]:
-        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    server, port, health = await listen(role, config, config.port, register)
     address = f"{config.host}:{port}"
     metrics_address = ""
     if metrics is not None and config.metrics_port >= 0:
@@ -116,13 +97,45 @@ async def serve(
     serving = asyncio.ensure_future(server.wait_for_termination())
     await asyncio.wait([serving, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     await health.enter_graceful_shutdown()
-    await server.stop(config.grace_s)
+    if also is not None:
+        await also[1].enter_graceful_shutdown()
+        await asyncio.gather(server.stop(config.grace_s), also[0].stop(config.grace_s))
+    else:
+        await server.stop(config.grace_s)
     if on_shutdown is not None:
         await on_shutdown()
     if metrics is not None:
         metrics.stop()
     tracing.shutdown()
     logging.getLogger(role).info("stopped")
+
+
+async def listen(
+    role: str, config: ServerConfig, port: int, register: Callable[[grpc.aio.Server], list[str]]
+) -> tuple[grpc.aio.Server, int, HealthServicer]:
+    """A started gRPC server on `port` with `register`'s services, health, reflection and the limits."""
+    options = [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs)
+    services = register(server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection([*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                         reflection.SERVICE_NAME], server)
+    listen = f"{config.host}:{port}"
+    if config.tls is None:
+        bound = server.add_insecure_port(listen)
+    else:
+        bound = server.add_secure_port(listen, config.tls.server_credentials())
+    if bound == 0:
+        raise SystemExit(f"{role}: cannot listen on {listen}")
+    await server.start()
+    for name in ["", *services]:
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound, health
 
 
 def run(main: Awaitable[None]) -> None:

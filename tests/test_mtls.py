@@ -40,7 +40,9 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def secured(tiny_model_dir: Path, certs: Path) -> Iterator[Cluster]:
-    cluster = start_cluster(tiny_model_dir, decode_args=(f"--lease={LEASE_S}",), tls_dir=str(certs))
+    # The KV goes over gRPC (no shared memory), to decode's own KV port: every byte crosses mutual TLS.
+    cluster = start_cluster(tiny_model_dir, decode_args=(f"--lease={LEASE_S}", "--kv-port=0"),
+                            prefill_args=("--no-kv-shm",), tls_dir=str(certs))
     yield cluster
     cluster.stop()
 
@@ -54,7 +56,8 @@ def test_the_full_request_path_works_under_mutual_tls(secured: Cluster, certs: P
     responses = _generate(secured, _identity(certs, "client"), prompt="The capital of France is", max_tokens=5,
                           ignore_eos=True)
     assert responses[-1].finish_reason == "length" and responses[-1].usage.completion_tokens == 5
-    assert responses[-1].timing.kv_bytes > 0  # the KV went from prefill to decode over mutual TLS (or shm)
+    timing = responses[-1].timing
+    assert timing.kv_bytes > 0 and timing.kv_transport == "grpc"  # prefill -> decode's KV port, over mutual TLS
     assert_nothing_held(secured)
 
 
@@ -79,7 +82,8 @@ def test_a_client_whose_certificate_another_ca_signed_is_refused(secured: Cluste
 
 def test_roles_authorise_the_calls_between_services(secured: Cluster, certs: Path) -> None:
     client, gateway = _identity(certs, "client"), _identity(certs, "gateway")
-    decode_address, prefill_address = secured.decode[0].address, secured.prefill[0].address
+    decode_address, kv_address, prefill_address = (secured.decode[0].address, secured.decode[0].kv,
+                                                   secured.prefill[0].address)
     with channel(decode_address, client, expect="decode") as chan, pytest.raises(grpc.RpcError) as reserve:
         _reserve(decode_pb2_grpc.DecodeStub(chan), "not-a-gateway")  # only a gateway reserves
     assert reserve.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
@@ -88,21 +92,33 @@ def test_roles_authorise_the_calls_between_services(secured: Cluster, certs: Pat
             request_id="x", token_ids=[1, 2, 3], decode_address=decode_address, reservation_token="t"),
             timeout=10).next()
     assert prefill.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
-    with channel(decode_address, gateway, expect="decode") as g:
+    with channel(decode_address, gateway, expect="decode") as g, channel(kv_address, gateway, expect="decode") as k:
         stub = decode_pb2_grpc.DecodeStub(g)
         call, token = _reserve(stub, "kv-from-a-gateway")
         with pytest.raises(grpc.RpcError) as pushed:  # a gateway holding a real token still may not push KV
-            stub.TransferKV(iter(_kv_stream(stub, "kv-from-a-gateway", token)), timeout=10)
+            decode_pb2_grpc.DecodeStub(k).TransferKV(iter(_kv_stream(stub, "kv-from-a-gateway", token)), timeout=10)
         assert pushed.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
         call.cancel()
     assert_nothing_held(secured)
 
 
+def test_decode_serves_the_kv_stream_on_its_own_port_only(secured: Cluster, certs: Path) -> None:
+    decode = secured.decode[0]
+    assert decode.kv and decode.kv != decode.address
+    prefill = _identity(certs, "prefill")
+    with channel(decode.address, prefill, expect="decode") as control, pytest.raises(grpc.RpcError) as on_control:
+        decode_pb2_grpc.DecodeStub(control).TransferKV(iter([]), timeout=10)
+    assert on_control.value.code() == grpc.StatusCode.UNIMPLEMENTED  # type: ignore[attr-defined]
+    with channel(decode.kv, _identity(certs, "gateway"), expect="decode") as kv, pytest.raises(grpc.RpcError) as on_kv:
+        _reserve(decode_pb2_grpc.DecodeStub(kv), "reserve-on-the-kv-port")
+    assert on_kv.value.code() == grpc.StatusCode.UNIMPLEMENTED  # type: ignore[attr-defined]
+
+
 def test_forged_reused_and_expired_reservation_tokens_are_refused_and_nothing_is_held(secured: Cluster,
                                                                                       certs: Path) -> None:
-    decode_address = secured.decode[0].address
-    with channel(decode_address, _identity(certs, "gateway"), expect="decode") as g, \
-            channel(decode_address, _identity(certs, "prefill"), expect="decode") as p:
+    decode = secured.decode[0]
+    with channel(decode.address, _identity(certs, "gateway"), expect="decode") as g, \
+            channel(decode.kv, _identity(certs, "prefill"), expect="decode") as p:
         reserve, push = decode_pb2_grpc.DecodeStub(g), decode_pb2_grpc.DecodeStub(p)
 
         def refused(messages: list) -> grpc.StatusCode:
