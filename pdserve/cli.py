@@ -11,6 +11,7 @@ import time
 import grpc
 
 from model_runner.loading import DEFAULT_MODEL, DTYPES
+from pdserve import tls
 
 DEFAULT_TRACE_DIR = ".pdserve/traces"
 DEMO_PROMPT = "<|im_start|>user\nExplain in two sentences why the sky is blue.<|im_end|>\n<|im_start|>assistant\n"
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
                                  "SERVING, 1 otherwise (not serving, unreachable, or no answer within --timeout).")
     health.add_argument("address", metavar="ADDRESS", help="host:port of any pdserve service")
     health.add_argument("--timeout", type=float, default=3.0, help="seconds (default: %(default)s)")
+    tls.add_args(health, "the probe's")
     health.set_defaults(run=_health)
 
     bench = commands.add_parser("bench", help="benchmarks; results as a table or JSON, plus JSON and plots on disk")
@@ -177,7 +179,11 @@ def _print_trace(request_id: str, directory: str) -> None:
 def _health(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(args.address) as channel:
+    try:
+        identity = tls.from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    with tls.channel(args.address, identity) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout)
         except grpc.RpcError as exc:

@@ -11,6 +11,7 @@ are dialled by address (a pod IP, say), so a caller checks the worker's certific
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,10 +42,15 @@ class TLS:
         return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
 
-def add_args(group: Any) -> None:
-    group.add_argument("--tls-cert", default="", help="this service's certificate (PEM): turns on mutual TLS")
-    group.add_argument("--tls-key", default="", help="its private key (PEM)")
-    group.add_argument("--tls-ca", default="", help="the CA that signs every service's and client's certificate")
+def add_args(group: Any, whose: str = "this service's") -> None:
+    """The three flags; each defaults to an environment variable (PDSERVE_TLS_CERT, _KEY, _CA), which suits
+    containers and health probes."""
+    group.add_argument("--tls-cert", default=os.environ.get("PDSERVE_TLS_CERT", ""),
+                       help=f"{whose} certificate (PEM): turns on mutual TLS (default: $PDSERVE_TLS_CERT)")
+    group.add_argument("--tls-key", default=os.environ.get("PDSERVE_TLS_KEY", ""),
+                       help="its private key (PEM) (default: $PDSERVE_TLS_KEY)")
+    group.add_argument("--tls-ca", default=os.environ.get("PDSERVE_TLS_CA", ""),
+                       help="the CA that signs every service's and client's certificate (default: $PDSERVE_TLS_CA)")
 
 
 def from_args(args: argparse.Namespace) -> TLS | None:

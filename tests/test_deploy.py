@@ -1,8 +1,11 @@
-"""deploy/: what can be checked without a Docker engine. Each container's command parses with its service's own
-flag parser, and the compose file wires tracing to Jaeger and finds the pools by DNS."""
+"""deploy/: what can be checked without a Docker engine or a Kubernetes cluster. The compose file and every
+manifest validate against their published schemas (and broken copies do not); each container's command parses
+with its service's own flag parser; ports agree across commands, services and network policies."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,3 +50,97 @@ def test_a_broken_command_is_caught(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         parse_config("decode_service", None, DecodeConfig, ["--max-seqs", "0"])
     assert exited.value.code == 2 and "--max-seqs 0" in capsys.readouterr().err
+
+
+K8S = DEPLOY / "k8s"
+BIN = Path(sys.executable).parent  # the validators' commands, installed with the test extras
+
+
+def _validate_compose(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(BIN / "check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(path)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def _validate_k8s(paths: list[Path]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(BIN / "kubernetes-validate"), "--strict", "--no-warn", *map(str, paths)],
+                          capture_output=True, text=True, timeout=300)
+
+
+def _manifests() -> list[Path]:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    return [K8S / name for name in kustomization["resources"]]
+
+
+def _resources() -> list[dict]:
+    return [doc for path in _manifests() for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def test_the_compose_file_matches_the_compose_spec_and_a_broken_copy_does_not(tmp_path: Path) -> None:
+    valid = _validate_compose(DEPLOY / "docker-compose.yml")
+    assert valid.returncode == 0, valid.stdout + valid.stderr
+    broken = _compose()
+    broken["services"]["gateway"]["depends_on"]["prefill"]["condition"] = "service_happy"
+    broken["services"]["decode"]["ports"] = 50062
+    (tmp_path / "docker-compose.yml").write_text(yaml.safe_dump(broken))
+    refused = _validate_compose(tmp_path / "docker-compose.yml")
+    assert refused.returncode != 0 and "service_happy" in refused.stdout + refused.stderr
+
+
+def test_every_manifest_matches_the_kubernetes_schema_and_a_broken_copy_does_not(tmp_path: Path) -> None:
+    assert sorted(p.name for p in _manifests()) == sorted(p.name for p in K8S.glob("*.yaml")
+                                                          if p.name != "kustomization.yaml")
+    valid = _validate_k8s(_manifests())
+    assert valid.returncode == 0, valid.stdout + valid.stderr
+    kinds = sorted(r["kind"] for r in _resources())
+    assert kinds.count("Deployment") == 3 and kinds.count("NetworkPolicy") >= 4
+    assert "HorizontalPodAutoscaler" in kinds
+    decode = yaml.safe_load_all((K8S / "decode.yaml").read_text())
+    deployment = next(doc for doc in decode if doc["kind"] == "Deployment")
+    deployment["spec"]["replicas"] = "two"
+    deployment["spec"]["template"]["spec"]["containers"][0]["imagePullPolicy_"] = "Always"
+    (tmp_path / "decode.yaml").write_text(yaml.safe_dump(deployment))
+    refused = _validate_k8s([tmp_path / "decode.yaml"])
+    assert refused.returncode != 0 and "replicas" in refused.stdout + refused.stderr
+
+
+def _container_configs(tmp_path: Path) -> dict[str, object]:
+    """Each Deployment's container args, parsed by the service's own parser (mounted files made under tmp)."""
+    (tmp_path / "keys").mkdir()
+    (tmp_path / "keys" / "keys").write_text("sk-example\n")
+    parsed = {}
+    for resource in _resources():
+        if resource["kind"] != "Deployment":
+            continue
+        container = resource["spec"]["template"]["spec"]["containers"][0]
+        module, *flags = [arg.replace("/etc/pdserve", str(tmp_path)) for arg in container["args"]]
+        parsed[resource["metadata"]["name"]] = parse_config(module, None, CONFIGS[module], flags)
+    return parsed
+
+
+def test_every_container_command_parses_and_the_ports_agree_with_services_and_policies(tmp_path: Path) -> None:
+    configs = _container_configs(tmp_path)
+    gateway, prefill, decode = configs["gateway"], configs["prefill"], configs["decode"]
+    assert gateway.prefill == ["prefill.pdserve.svc.cluster.local:50061"]  # type: ignore[attr-defined]
+    assert gateway.decode == ["decode.pdserve.svc.cluster.local:50062"]  # type: ignore[attr-defined]
+    assert (prefill.server.port, decode.server.port, decode.kv_port) == (50061, 50062, 50063)  # type: ignore
+    services = {r["metadata"]["name"]: r for r in _resources() if r["kind"] == "Service"}
+    assert services["prefill"]["spec"]["clusterIP"] == "None" == services["decode"]["spec"]["clusterIP"]  # DNS pools
+
+    def allowed(port: int, pod: str) -> set[str]:
+        """The pod names whose traffic may reach `pod` on `port`."""
+        sources = set()
+        for policy in (r for r in _resources() if r["kind"] == "NetworkPolicy"):
+            selected = policy["spec"]["podSelector"].get("matchLabels", {})
+            if selected.get("app.kubernetes.io/name", pod) != pod or "app.kubernetes.io/part-of" in selected:
+                continue
+            for rule in policy["spec"].get("ingress", []):
+                if port in [p["port"] for p in rule.get("ports", [])]:
+                    sources |= {peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"]
+                                for peer in rule.get("from", [{"podSelector": {"matchLabels": {
+                                    "app.kubernetes.io/name": "anyone"}}}])}
+        return sources
+
+    assert allowed(50063, "decode") == {"prefill"}  # the KV port: prefill only
+    assert allowed(50062, "decode") == {"gateway"}  # decode's control RPCs: the gateway only
+    assert allowed(50061, "prefill") == {"gateway"}
+    assert allowed(50051, "gateway") == {"anyone"}

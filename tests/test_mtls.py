@@ -6,6 +6,7 @@ Certificates come from deploy/make-certs.sh (the development CA script), a secon
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -138,3 +139,11 @@ def test_forged_reused_and_expired_reservation_tokens_are_refused_and_nothing_is
         with pytest.raises(grpc.RpcError):
             list(call)
     assert_nothing_held(secured)
+
+
+def test_the_health_probe_speaks_mutual_tls(secured: Cluster, certs: Path) -> None:
+    probe = [sys.executable, "-m", "pdserve.cli", "health", secured.decode[0].address, "--timeout", "5"]
+    identity = ["--tls-cert", str(certs / "client.pem"), "--tls-key", str(certs / "client-key.pem"),
+                "--tls-ca", str(certs / "ca.pem")]
+    assert subprocess.run([*probe, *identity], capture_output=True, timeout=60).returncode == 0
+    assert subprocess.run(probe, capture_output=True, timeout=60).returncode == 1  # plain text: refused
