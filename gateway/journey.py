@@ -91,6 +91,7 @@ class Timings:
     kv_transport: str = ""
     retries: int = 0
     migrations: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefill worker's prefix cache held
 
 
 def _hop_error(exc: grpc.aio.AioRpcError, hop: str, worker: Worker) -> GatewayError:
@@ -211,16 +212,22 @@ async def run(
         return
     # a prefill worker whose path to this decode worker failed lately goes last, like a failed worker
     broken = frozenset(w.address for w in prefill.workers if pairs.is_open(w.address, decode_worker.address))
-    prefill_worker = prefill.in_turn(avoid | broken)[0]
+    prefill_worker = prefill.in_turn(avoid | broken, params.prompt_ids)[0]
     prefill_call = prefill_worker.stub.Prefill(prefill_pb2.PrefillRequest(
         request_id=params.request_id, token_ids=params.prompt_ids, sampling=sampling_to_pb(params.sampling),
         decode_address=kv_address(decode_worker.address, reservation.kv_port), reservation_token=reservation.token,
         shm_segment=reservation.shm_segment), timeout=rpc_timeout, metadata=tracing.outgoing())
     transfer: asyncio.Future[prefill_pb2.TransferDone] | None = None
     try:
-        first, decode_read = await _first_token(prefill_call, prefill_worker, decode_call, decode_worker)
+        prefill_worker.prefilling_tokens += len(params.prompt_ids)  # its load, for routing, until the first token
+        try:
+            first, decode_read = await _first_token(prefill_call, prefill_worker, decode_call, decode_worker)
+        finally:
+            prefill_worker.prefilling_tokens -= len(params.prompt_ids)
         prefill_worker.succeeded()
         timings.prefill_queue_ms, timings.prefill_ms = first.first_token.queue_ms, first.first_token.forward_ms
+        if not timings.migrations:  # a re-prefill after a migration has a longer prompt than the client's
+            timings.cached_tokens = first.first_token.cached_tokens
         yield Tokens([first.first_token.token_id])
         transfer = asyncio.ensure_future(_prefill_event(prefill_call, prefill_worker, "transfer_done"))
         async for tokens in _decoded(decode_call, decode_worker, transfer, decode_read):

@@ -281,9 +281,10 @@ class _Reply:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
     @staticmethod
-    def _usage(usage: gateway_pb2.Usage) -> dict[str, int]:
+    def _usage(usage: gateway_pb2.Usage) -> dict[str, Any]:
         return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-                "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+                "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
     def whole(self, text: str, last: gateway_pb2.GenerateResponse) -> dict[str, Any]:
         if self.chat:

@@ -63,6 +63,7 @@ class GatewayConfig:
     http_port: int = 0  # OpenAI-compatible HTTP; 0 = a free port, reported with the address; -1 = off
     api_key_file: str = ""  # API keys, one per line (also PDSERVE_API_KEYS); none: no key needed
     served_model_name: str = ""  # the model's name in the HTTP API; default: the model directory's name
+    prefix_balance_tokens: int = 2048  # prefix-aware routing's leeway in queued tokens; -1 = by load alone
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -94,7 +95,7 @@ class GatewayConfig:
                    admission=AdmissionConfig(max_in_flight=args.max_in_flight, max_queue=args.max_queue,
                                              queue_timeout_s=args.queue_timeout_s),
                    poll_interval_s=args.poll_interval_s, http_port=args.http_port, api_key_file=args.api_key_file,
-                   served_model_name=args.served_model_name)
+                   served_model_name=args.served_model_name, prefix_balance_tokens=args.prefix_balance_tokens)
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
@@ -137,6 +138,10 @@ class GatewayConfig:
                            help="file of API keys, one per line, that clients must send as `authorization: Bearer "
                            "KEY` (gRPC metadata or HTTP header); PDSERVE_API_KEYS (comma-separated) adds more. "
                            "Default: no key needed")
+        group.add_argument("--prefix-balance-tokens", type=int, default=2048,
+                           help="send a prompt to the prefill worker most likely to hold its prefix while that "
+                           "worker's queue is within this many tokens of the least loaded one's; -1 routes by load "
+                           "alone (default: %(default)s)")
         group.add_argument("--served-model-name", default="",
                            help="the model's name in the HTTP API (default: the model directory's name)")
         group.add_argument("--startup-timeout", type=float, default=300.0, dest="startup_timeout_s",
@@ -333,7 +338,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 if finish:
                     response.finish_reason = finish
                     response.usage.CopyFrom(gateway_pb2.Usage(prompt_tokens=len(params.prompt_ids),
-                                                              completion_tokens=generated))
+                                                              completion_tokens=generated,
+                                                              cached_tokens=timings.cached_tokens))
                     response.timing.CopyFrom(_timing(timings, arrived, first_at, generated))
                 yield response
                 if finish:
@@ -357,7 +363,7 @@ async def serve(config: GatewayConfig) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, resolve_model(config.model))
-    prefill = Pool("prefill", config.prefill, tls=config.server.tls)
+    prefill = Pool("prefill", config.prefill, tls=config.server.tls, prefix_balance_tokens=config.prefix_balance_tokens)
     decode = Pool("decode", config.decode, tls=config.server.tls)
     await asyncio.gather(prefill.fetch_info(config.startup_timeout_s), decode.fetch_info(config.startup_timeout_s))
     model = check_pairing(prefill, decode)

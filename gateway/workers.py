@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import ipaddress
 import itertools
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from model_runner.prefix_cache import block_names
 from pdserve.serving import MAX_MESSAGE_BYTES
 from pdserve.tls import TLS, aio_channel
 from protos import decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
@@ -42,17 +44,20 @@ class Worker:
     health: Any = None  # grpc.health.v1 stub
     serving: bool = True  # its health check says SERVING (False while it drains or is unreachable)
     picked: int = 0  # requests sent its way since `info` was read: the load the next poll will show
+    prefilling_tokens: int = 0  # prefill: prompt tokens this gateway sent that have no first token yet
 
     def load(self) -> tuple[float, ...]:
         """Lower is better. Decode: running and reserved sequences, then the share of the KV budget in use.
-        Prefill: prompt tokens queued or running. Both count the requests sent since the last poll."""
+        Prefill: prompt tokens queued or running: what the last poll read, or what this gateway has in flight
+        there if more (a fresher count, which misses other gateways' requests). Both count the requests sent
+        since the last poll."""
         info = self.info
         if info is None:
             return (float(self.picked),)
         if info.role == "decode":
             used = info.live_kv_bytes / info.kv_budget_bytes if info.kv_budget_bytes else 0.0
             return (float(info.live_sequences + info.live_reservations + self.picked), used)
-        return (float(info.queued_tokens), float(info.live_sequences + self.picked))
+        return (float(max(info.queued_tokens, self.prefilling_tokens)), float(info.live_sequences + self.picked))
 
     def failed(self) -> None:
         """The worker was unreachable or broke a request: open its breaker (it is still tried as a last resort)."""
@@ -61,6 +66,45 @@ class Worker:
 
     def succeeded(self) -> None:
         self.failures, self.suspect_until = 0, 0.0
+
+
+PREFIX_BLOCK_TOKENS = 16  # the gateway's prefix blocks: the prefill workers' default
+PREFIX_INDEX_BLOCKS = 200_000  # block names remembered per worker
+
+
+class PrefixIndex:
+    """Which prompt prefixes the gateway sent to which worker, as chained block names
+    (model_runner/prefix_cache.py): an approximate picture of each worker's prefix cache, kept without asking
+    the workers, least recently sent forgotten first (as SGLang's router and llm-d's prefix scorer keep theirs)."""
+
+    def __init__(self, capacity: int = PREFIX_INDEX_BLOCKS) -> None:
+        self.capacity = capacity
+        self._sent: dict[str, collections.OrderedDict[bytes, None]] = {}
+
+    def best(self, names: list[bytes], addresses: list[str]) -> str | None:
+        """The address whose recorded blocks cover the longest prefix of `names`; None when none covers any."""
+        best, longest = None, 0
+        for address in addresses:
+            sent = self._sent.get(address)
+            if sent is None:
+                continue
+            matched = 0
+            while matched < len(names) and names[matched] in sent:
+                matched += 1
+            if matched > longest:
+                best, longest = address, matched
+        return best
+
+    def record(self, address: str, names: list[bytes]) -> None:
+        sent = self._sent.setdefault(address, collections.OrderedDict())
+        for name in reversed(names):  # the root most recent, as the worker's cache keeps it
+            sent[name] = None
+            sent.move_to_end(name)
+        while len(sent) > self.capacity:
+            sent.popitem(last=False)
+
+    def forget(self, address: str) -> None:
+        self._sent.pop(address, None)
 
 
 class PairBreakers:
@@ -98,8 +142,12 @@ class Pool:
     resolves to, and `refresh` re-resolves it, adding workers (unused until a poll finds them serving the
     pool's model) and dropping workers that are gone."""
 
-    def __init__(self, role: str, addresses: list[str], resolver: Resolver = resolve, tls: TLS | None = None) -> None:
+    def __init__(self, role: str, addresses: list[str], resolver: Resolver = resolve, tls: TLS | None = None,
+                 prefix_balance_tokens: int = -1) -> None:
         self.role = role
+        # Prefill pools: requests go to the worker most likely to hold their prefix while its queue is within
+        # this many tokens of the least loaded worker's; -1: by load alone.
+        self.prefix_balance_tokens = prefix_balance_tokens
         self.tls = tls  # mutual TLS to the workers, each checked to hold a certificate for `role`
         self.names = addresses
         self._resolver = resolver
@@ -107,6 +155,7 @@ class Pool:
         self.fingerprint = ""  # the model every worker must serve, once known
         self._turn = itertools.count()
         self._resolved: dict[str, list[str]] = {}  # name -> the addresses it last resolved to
+        self.prefixes = PrefixIndex()
         for address in self._resolve():
             self.workers.append(self._worker(address))
 
@@ -148,16 +197,31 @@ class Pool:
         for address, worker in current.items():
             if address not in wanted and len(self.workers) > 1:
                 self.workers.remove(worker)
+                self.prefixes.forget(address)
                 await worker.channel.close()
                 log.info("%s worker %s left the pool", self.role, address)
 
-    def in_turn(self, avoid: frozenset[str] = frozenset()) -> list[Worker]:
+    def in_turn(self, avoid: frozenset[str] = frozenset(), prompt: Sequence[int] = ()) -> list[Worker]:
         """Every worker once, best first: not in `avoid` (addresses that failed this request), serving, breaker
-        closed, least loaded; ties in round-robin order. The first is counted as picked."""
+        closed, least loaded; ties in round-robin order. The first is counted as picked.
+
+        With a `prompt` (prefill) and `prefix_balance_tokens` >= 0, the worker most likely to hold the prompt's
+        longest prefix goes first instead, as long as its load is within `prefix_balance_tokens` queued tokens of
+        the least loaded worker's: a hot prefix spills to other workers rather than queue on one."""
+        balance_tokens = self.prefix_balance_tokens
         start = next(self._turn) % len(self.workers)
         now = time.monotonic()
         ordered = self.workers[start:] + self.workers[:start]
         ordered.sort(key=lambda w: (w.address in avoid, not w.serving or w.suspect_until > now, w.load()))  # stable
+        names = block_names(prompt, PREFIX_BLOCK_TOKENS) if prompt and balance_tokens >= 0 else []
+        if names:
+            eligible = [w for w in ordered if w.address not in avoid and w.serving and w.suspect_until <= now]
+            home = self.prefixes.best(names, [w.address for w in eligible])
+            worker = next((w for w in eligible if w.address == home), None)
+            if worker is not None and worker.load()[0] <= eligible[0].load()[0] + balance_tokens:
+                ordered.remove(worker)
+                ordered.insert(0, worker)
+            self.prefixes.record(ordered[0].address, names)
         ordered[0].picked += 1
         return ordered
 

@@ -25,6 +25,9 @@ class Prompt(Protocol):
     @property
     def abandoned(self) -> bool: ...
 
+    @property
+    def done(self) -> int: ...  # prompt tokens already in the prompt's cache (earlier chunks, or a cached prefix)
+
 
 P = TypeVar("P", bound=Prompt)
 
@@ -39,7 +42,8 @@ class PromptScheduler(Generic[P]):
         self._long_turn = False
 
     def is_long(self, job: P) -> bool:
-        return len(job.token_ids) > self.chunk_tokens
+        """Runs alone, continuing its own cache: longer than a chunk, or starting after a cached prefix."""
+        return job.done > 0 or len(job.token_ids) > self.chunk_tokens
 
     def add(self, job: P) -> None:
         (self.long if self.is_long(job) else self.short).append(job)

@@ -19,8 +19,9 @@ from typing import NamedTuple
 
 import torch
 
-from model_runner.forward import WatchedCache, cached_layers, prefill_pass
+from model_runner.forward import LayerKV, WatchedCache, cached_layers, prefill_pass
 from model_runner.loading import LoadedModel
+from model_runner.prefix_cache import Block, PrefixCache, continuation
 from model_runner.sampling import SamplingParams, sample
 from model_runner.scheduling import PromptScheduler
 
@@ -40,6 +41,7 @@ class Prefilled(NamedTuple):
     ended: float
     batch_size: int = 1  # prompts in its (last) pass
     passes: int = 1  # forward passes it took (chunks of a long prompt)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass(eq=False)
@@ -53,7 +55,13 @@ class PrefillJob:
     abandon: threading.Event = field(default_factory=threading.Event)
     started: float = 0.0
     cache: WatchedCache | None = None  # a long prompt's KV so far
-    done: int = 0  # prompt tokens in `cache`
+    done: int = 0  # prompt tokens in `cache` (or in `prefix`, before its first pass)
+    prefix: list[Block] = field(default_factory=list)  # its cached prefix, from the prefix cache
+    cost: int = 0  # prompt tokens to compute, counted in the queue's budget
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(block.kv.shape[3] for block in self.prefix)
 
     @property
     def abandoned(self) -> bool:
@@ -62,8 +70,10 @@ class PrefillJob:
 
 class PrefillEngine:
     def __init__(self, runner: LoadedModel, *, batch_tokens: int = 256, chunk_tokens: int = 256,
-                 max_queued_tokens: int = 65536, layer_streaming: bool = True) -> None:
+                 max_queued_tokens: int = 65536, layer_streaming: bool = True,
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.runner = runner
+        self.prefix_cache = prefix_cache  # used under self._wake
         self.max_queued_tokens = max_queued_tokens
         self.layer_streaming = layer_streaming
         self._scheduler: PromptScheduler[PrefillJob] = PromptScheduler(batch_tokens, chunk_tokens)
@@ -85,10 +95,14 @@ class PrefillEngine:
         with self._wake:
             if self._stopping:
                 raise Abandoned("the prefill engine is shutting down")
-            if self.live_jobs and self.queued_tokens + len(job.token_ids) > self.max_queued_tokens:
+            if self.prefix_cache is not None:
+                job.prefix = self.prefix_cache.match(job.token_ids)
+                job.done = job.cached_tokens
+            job.cost = len(job.token_ids) - job.done
+            if self.live_jobs and self.queued_tokens + job.cost > self.max_queued_tokens:
                 raise QueueFull(f"prefill queue full: {self.queued_tokens} prompt tokens waiting or running, "
                                 f"budget {self.max_queued_tokens}")
-            self.queued_tokens += len(job.token_ids)
+            self.queued_tokens += job.cost
             self.live_jobs += 1
             self._scheduler.add(job)
             self._wake.notify()
@@ -154,6 +168,7 @@ class PrefillEngine:
                 continue
             if not streaming:
                 self._deliver_all(job, cache, row)
+            self._remember(job, cached_layers(cache, row, len(job.token_ids)))
             self._finish(job, Prefilled(sample(logits[row], job.sampling, position=len(job.token_ids)),
                                         job.started, ended, batch_size=len(jobs)))
 
@@ -171,6 +186,8 @@ class PrefillEngine:
 
         if job.cache is None:
             job.cache, job.started = WatchedCache(), time.perf_counter()
+            if job.prefix:  # continue after the cached prefix
+                continuation(job.prefix, job.cache)
         job.cache.on_layer = on_layer
         logits = prefill_pass(self.runner, [chunk], job.cache)[0]
         job.done += len(chunk)
@@ -178,10 +195,18 @@ class PrefillEngine:
             return
         if not self.layer_streaming:
             self._deliver_all(job, job.cache, 0)
+        self._remember(job, cached_layers(job.cache))
+        cached = job.cached_tokens
         self._end_long(job)
-        passes = -(-len(prompt) // self._scheduler.chunk_tokens)
+        passes = -(-(len(prompt) - cached) // self._scheduler.chunk_tokens)
         self._finish(job, Prefilled(sample(logits, job.sampling, position=len(prompt)), job.started,
-                                    time.perf_counter(), passes=passes))
+                                    time.perf_counter(), passes=passes, cached_tokens=cached))
+
+    def _remember(self, job: PrefillJob, layers: list[LayerKV]) -> None:
+        """A completed prompt's full blocks go into the prefix cache (never a cancelled one's partial KV)."""
+        if self.prefix_cache is not None and not job.abandoned:
+            with self._wake:
+                self.prefix_cache.insert(job.token_ids, layers)
 
     def _end_long(self, job: PrefillJob) -> None:
         with self._wake:
@@ -194,6 +219,6 @@ class PrefillEngine:
 
     def _finish(self, job: PrefillJob, result: Prefilled | BaseException) -> None:
         with self._wake:
-            self.queued_tokens -= len(job.token_ids)
+            self.queued_tokens -= job.cost
             self.live_jobs -= 1
         job.finish(result)

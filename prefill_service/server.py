@@ -36,6 +36,7 @@ from kv_wire.layout import DEFAULT_CHUNK_BYTES, LOSSY_WIRE_DTYPES, KVLayout, Tra
 from kv_wire.sender import KVSender, encode_stream
 from model_runner import forward
 from model_runner.loading import LoadedModel, ModelConfig, add_model_args, model_config
+from model_runner.prefix_cache import PrefixCache
 from model_runner.sampling import SamplingParams
 from pdserve import logs, serving, tracing
 from pdserve.metrics import Metrics
@@ -59,6 +60,8 @@ class PrefillConfig:
     prefill_chunk: int = 256  # longer prompts run in passes of this many tokens, taking turns with short ones
     batch_tokens: int = 256  # short prompts share one pass while the padded batch stays within this
     max_queued_tokens: int = 65536  # prompt tokens waiting or running; beyond it a prompt is refused
+    prefix_cache_mb: float = 512  # KV of prompt prefixes kept for reuse; 0 = no prefix cache
+    prefix_block_tokens: int = 16  # prefixes are cached and matched in blocks of this many tokens
 
     def __post_init__(self) -> None:
         if self.wire_dtype and (self.wire_dtype not in LOSSY_WIRE_DTYPES or self.model.dtype != "float32"):
@@ -66,8 +69,11 @@ class PrefillConfig:
                              "and only for a float32 model")
         if not 0 < self.chunk_bytes <= MAX_MESSAGE_BYTES // 2:
             raise ValueError(f"--chunk-bytes {self.chunk_bytes}: must be in (0, {MAX_MESSAGE_BYTES // 2}]")
+        if self.prefix_cache_mb < 0:
+            raise ValueError(f"--prefix-cache-mb {self.prefix_cache_mb}: must be >= 0")
         for flag, value in (("--prefill-chunk", self.prefill_chunk), ("--prefill-batch-tokens", self.batch_tokens),
-                            ("--max-queued-tokens", self.max_queued_tokens)):
+                            ("--max-queued-tokens", self.max_queued_tokens),
+                            ("--prefix-block-tokens", self.prefix_block_tokens)):
             if value < 1:
                 raise ValueError(f"{flag} {value}: must be >= 1")
 
@@ -76,7 +82,8 @@ class PrefillConfig:
         return cls(server=server_config(args), model=model_config(args), chunk_bytes=args.chunk_bytes,
                    wire_dtype=args.wire_dtype, kv_shm=args.kv_shm, layer_streaming=args.layer_streaming,
                    prefill_chunk=args.prefill_chunk, batch_tokens=args.batch_tokens,
-                   max_queued_tokens=args.max_queued_tokens)
+                   max_queued_tokens=args.max_queued_tokens, prefix_cache_mb=args.prefix_cache_mb,
+                   prefix_block_tokens=args.prefix_block_tokens)
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
@@ -98,6 +105,12 @@ class PrefillConfig:
         group.add_argument("--prefill-batch-tokens", type=int, dest="batch_tokens", default=256,
                            help="short prompts share one forward pass while the padded batch holds at most this "
                            "many tokens (default: %(default)s)")
+        group.add_argument("--prefix-cache-mb", type=float, default=512,
+                           help="KV of prompt prefixes kept for reuse, so a prompt that starts like an earlier one "
+                           "only computes the rest; least recently used evicted first; 0 turns it off "
+                           "(default: %(default)s)")
+        group.add_argument("--prefix-block-tokens", type=int, default=16,
+                           help="prefixes are cached and matched in blocks of this many tokens (default: %(default)s)")
         group.add_argument("--max-queued-tokens", type=int, default=65536,
                            help="prompt tokens waiting or running; a prompt beyond it is refused with "
                            "RESOURCE_EXHAUSTED (default: %(default)s)")
@@ -150,9 +163,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.config = config
         self.runner = runner
         self.spec = runner.spec
+        self.prefix_cache = None
+        if config.prefix_cache_mb:
+            self.prefix_cache = PrefixCache(config.prefix_block_tokens, int(config.prefix_cache_mb * (1 << 20)))
         self.engine = PrefillEngine(runner, batch_tokens=config.batch_tokens, chunk_tokens=config.prefill_chunk,
                                     max_queued_tokens=config.max_queued_tokens,
-                                    layer_streaming=config.layer_streaming)
+                                    layer_streaming=config.layer_streaming, prefix_cache=self.prefix_cache)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._segments = SegmentMaps()
         self.metrics = Metrics(
@@ -160,10 +176,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     "pdserve_queued_tokens": ("prompt tokens queued or running", lambda: self.engine.queued_tokens),
                     "pdserve_num_requests_waiting": ("prompts queued", lambda: self.engine.waiting),
                     "pdserve_num_requests_running": ("prompts in the forward pass under way",
-                                                     lambda: self.engine.live_jobs - self.engine.waiting)},
+                                                     lambda: self.engine.live_jobs - self.engine.waiting),
+                    "pdserve_prefix_cache_bytes": ("KV bytes held by the prefix cache",
+                                                   lambda: self.prefix_cache.bytes if self.prefix_cache else 0),
+                    "pdserve_prefix_cache_blocks": ("prefix blocks cached",
+                                                    lambda: len(self.prefix_cache) if self.prefix_cache else 0)},
             counters={"pdserve_cancellations": "prefills whose caller cancelled or left mid-request",
                       "pdserve_rejections": "prompts refused: the queue's token budget was full",
                       "pdserve_prompt_tokens": "prompt tokens prefilled",
+                      "pdserve_prefill_computed_tokens": "prompt tokens the forward pass ran (cached ones excluded)",
+                      "pdserve_prefix_cache_queries": "prompt tokens looked up in the prefix cache",
+                      "pdserve_prefix_cache_hits": "prompt tokens whose KV the prefix cache held",
                       "pdserve_kv_transfer_bytes": "KV bytes sent, by path (grpc, shm)",
                       "pdserve_kv_transfer_failures": "KV transfers refused or broken, by path"},
             histograms={"pdserve_request_queue_time_seconds": "arrival to the prompt's first forward pass",
@@ -231,14 +254,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self._record(arrived, prefilled, len(token_ids))
             yield prefill_pb2.PrefillEvent(first_token=prefill_pb2.FirstToken(
                 token_id=prefilled.first_token, queue_ms=(started - arrived) * 1e3,
-                forward_ms=(ended - started) * 1e3))
+                forward_ms=(ended - started) * 1e3, cached_tokens=prefilled.cached_tokens))
             push.deliver(prefilled.first_token)
             await self._transfer_result(push, request.decode_address, context)
             done = time.perf_counter()
             self.metrics.observe("pdserve_kv_transfer_seconds", done - push.started_at, path=sender.transport)
-            log.info("prefilled %d tokens: queue %.1f ms, forward %.1f ms; KV %d bytes by %s, %.1f ms exposed",
-                     len(token_ids), (started - arrived) * 1e3, (ended - started) * 1e3, sender.bytes_sent,
-                     sender.transport, (done - ended) * 1e3)
+            log.info("prefilled %d tokens (%d cached): queue %.1f ms, forward %.1f ms; KV %d bytes by %s, %.1f ms "
+                     "exposed", len(token_ids), prefilled.cached_tokens, (started - arrived) * 1e3,
+                     (ended - started) * 1e3, sender.bytes_sent, sender.transport, (done - ended) * 1e3)
             yield prefill_pb2.PrefillEvent(transfer_done=prefill_pb2.TransferDone(
                 kv_bytes=sender.bytes_sent, chunks=sender.chunks_sent,
                 exposed_ms=(done - ended) * 1e3, transfer_ms=(done - push.started_at) * 1e3,
@@ -257,13 +280,20 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     def _record(self, arrived: float, prefilled: Prefilled, prompt_tokens: int) -> None:
         """The prompt's wait and forward passes: child spans of the current (prefill) span, and histograms."""
+        cached = prefilled.cached_tokens
         tracing.record("prefill.queue", None, arrived, prefilled.started)
         tracing.record("prefill.forward", None, prefilled.started, prefilled.ended,
                        {"pdserve.batch_size": prefilled.batch_size, "pdserve.passes": prefilled.passes,
-                        "pdserve.prompt_tokens": prompt_tokens})
+                        "pdserve.prompt_tokens": prompt_tokens, "pdserve.cached_tokens": cached})
+        span = trace.get_current_span()
+        span.set_attributes({"pdserve.cached_tokens": cached, "pdserve.prefix_cache": "hit" if cached else "miss"})
         self.metrics.observe("pdserve_request_queue_time_seconds", prefilled.started - arrived)
         self.metrics.observe("pdserve_request_prefill_time_seconds", prefilled.ended - prefilled.started)
         self.metrics.count("pdserve_prompt_tokens", prompt_tokens)
+        self.metrics.count("pdserve_prefill_computed_tokens", prompt_tokens - cached)
+        if self.prefix_cache is not None:
+            self.metrics.count("pdserve_prefix_cache_queries", prompt_tokens)
+            self.metrics.count("pdserve_prefix_cache_hits", cached)
 
     async def _transfer_result(self, push: _KVPush, address: str, context: grpc.aio.ServicerContext) -> None:
         """Wait for decode's acknowledgement; a refused or broken transfer ends this call with its status."""

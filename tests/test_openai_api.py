@@ -65,6 +65,9 @@ def test_chat_streams_the_same_tokens_as_grpc_with_usage(client: openai.OpenAI, 
     assert whole.choices[0].message.content == text and whole.choices[0].finish_reason == "length"
     assert whole.usage is not None and whole.usage.total_tokens == usage.prompt_tokens + 8
     assert whole.id.startswith("chatcmpl-") and whole.object == "chat.completion"
+    # The third time this conversation is prefilled, its full blocks come from the prefix cache.
+    details = whole.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens == (usage.prompt_tokens - 1) // 16 * 16
 
 
 def test_completions_honour_max_tokens_and_stop(client: openai.OpenAI, keyed: Cluster) -> None:

@@ -1,0 +1,189 @@
+"""Prefix reuse: the cache's bookkeeping, prompts that hit it getting exactly their own KV and first token, and
+prefix-aware routing in a real cluster."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from model_runner import forward
+from model_runner.loading import LoadedModel, ModelConfig
+from model_runner.prefix_cache import PrefixCache, block_names
+from pdserve.client import generate
+from pdserve.metrics import scrape
+from prefill_service.engine import Abandoned, Prefilled, PrefillEngine
+from tests.conftest import assert_nothing_held, start_cluster
+from tests.test_prefill_engine import _Recorder
+
+BLOCK = 4
+LAYERS, HEADS, DIM = 2, 1, 2
+BLOCK_BYTES = LAYERS * 2 * HEADS * BLOCK * DIM * 4  # float32
+
+
+def _kv(tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Fake KV whose every value names its token, so a block's content can be checked."""
+    keys = torch.tensor(tokens, dtype=torch.float32)[None, :, None].expand(HEADS, len(tokens), DIM)
+    return [(keys + layer, -keys - layer) for layer in range(LAYERS)]
+
+
+def test_a_match_is_the_longest_cached_block_prefix_and_leaves_a_token_to_compute() -> None:
+    cache = PrefixCache(BLOCK, budget_bytes=100 * BLOCK_BYTES)
+    prompt = list(range(10, 22))  # 3 full blocks
+    assert cache.match(prompt) == []
+    assert cache.insert(prompt, _kv(prompt)) == 3
+    assert len(cache.match(prompt)) == 2  # the third block would leave nothing to compute: the last token runs
+    longer = prompt + [99, 98]
+    hit = cache.match(longer)
+    assert len(hit) == 3 and torch.equal(hit[2].kv[1, 0, 0, :, 0], torch.tensor([18.0, 19, 20, 21]) + 1)
+    assert len(cache.match(prompt[:8] + [0, 0, 0, 0, 0])) == 2  # diverges in the third block
+    assert cache.match([0] + prompt) == []  # the same tokens, shifted: a different prefix
+    assert cache.insert(longer, _kv(longer)) == 0  # its full blocks are cached already
+
+
+def test_eviction_takes_the_least_recent_leaves_first_and_keeps_shared_roots() -> None:
+    cache = PrefixCache(BLOCK, budget_bytes=4 * BLOCK_BYTES)
+    root = [1, 2, 3, 4]
+    first, second = root + [5, 6, 7, 8, 9, 10, 11, 12], root + [20, 21, 22, 23]
+    cache.insert(first, _kv(first))  # 3 blocks
+    cache.insert(second, _kv(second))  # 1 new block: 4 in all, the budget
+    third = root + [30, 31, 32, 33]
+    cache.insert(third, _kv(third))  # over budget: `first`'s deepest block goes, never the shared root
+    assert cache.bytes == 4 * BLOCK_BYTES
+    assert len(cache.match(first + [0])) == 2 and len(cache.match(second + [0])) == 2
+    assert len(cache.match(third + [0])) == 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 14)), min_size=1, max_size=25),
+       st.integers(0, 9))
+def test_the_cache_never_exceeds_its_byte_budget(prompts: list[tuple[int, int]], budget_blocks: int) -> None:
+    cache = PrefixCache(BLOCK, budget_bytes=budget_blocks * BLOCK_BYTES)
+    for prefix, length in prompts:  # four shared prefixes, various lengths: hits, partial hits and evictions
+        tokens = [prefix * 100 + i for i in range(length)]
+        cache.match(tokens)
+        cache.insert(tokens, _kv(tokens))
+        assert cache.bytes <= cache.budget_bytes
+        assert cache.bytes == len(cache) * BLOCK_BYTES
+
+
+@pytest.fixture(scope="module")
+def runner(default_model_dir: Path) -> LoadedModel:
+    torch.set_num_threads(1)
+    return ModelConfig(model=str(default_model_dir)).load()
+
+
+@pytest.mark.parametrize("layer_streaming", [True, False], ids=["streamed", "after-pass"])
+def test_hits_partial_hits_and_evictions_give_each_prompt_exactly_its_own_kv_and_first_token(
+    runner: LoadedModel, layer_streaming: bool
+) -> None:
+    system = list(range(1000, 1040))  # 40 tokens: 2 blocks of 16, and 8 more
+    block_bytes = runner.spec.kv_bytes_per_token * 16
+    cache = PrefixCache(16, budget_bytes=5 * block_bytes)  # small: the later prompts evict earlier blocks
+    engine = PrefillEngine(runner, chunk_tokens=32, layer_streaming=layer_streaming, prefix_cache=cache)
+    prompts = [
+        (system + [5, 6, 7], 0),  # cold: computes all 43, caches 2 blocks
+        (system + [8, 9], 32),  # hit: both blocks
+        (system[:20] + [3] * 30, 16),  # partial hit: diverges in the second block
+        (list(range(3000, 3050)), 0),  # another prefix: 3 new blocks; the cache holds 5, so 2 are evicted
+        (system + [1, 2, 3, 4], 16),  # the system prompt's second block went (least recent), its root did not
+    ]
+    try:
+        for prompt, expected_cached in prompts:
+            recorder = _Recorder(prompt)
+            engine.submit(recorder.job)
+            outcome = recorder.wait()
+            assert isinstance(outcome, Prefilled), outcome
+            assert outcome.cached_tokens == expected_cached
+            logits, kv = forward.prefill(runner, prompt)  # the same prompt alone, no cache
+            assert outcome.first_token == int(torch.argmax(logits))
+            assert sorted(recorder.layers) == list(range(len(kv)))
+            for layer, (keys, values) in enumerate(kv):
+                torch.testing.assert_close(recorder.layers[layer][0], keys, atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(recorder.layers[layer][1], values, atol=1e-4, rtol=1e-4)
+            assert cache.bytes <= cache.budget_bytes
+        assert (engine.queued_tokens, engine.live_jobs) == (0, 0)
+    finally:
+        engine.close()
+
+
+def test_a_cancelled_prompt_leaves_no_entry(runner: LoadedModel) -> None:
+    cache = PrefixCache(16, budget_bytes=1 << 30)
+    engine = PrefillEngine(runner, chunk_tokens=16, prefix_cache=cache)
+    try:
+        hold = threading.Event()
+        doomed = _Recorder(list(range(500, 548)), hold)  # 3 chunks; held inside its last chunk's first layer
+        engine.submit(doomed.job)
+        assert doomed.entered.wait(30)
+        doomed.job.abandon.set()  # cancelled mid-pass
+        hold.set()
+        assert isinstance(doomed.wait(), Abandoned)
+        assert (len(cache), cache.bytes) == (0, 0)  # nothing half-built
+        kept = _Recorder(list(range(500, 548)))
+        engine.submit(kept.job)
+        assert isinstance(kept.wait(), Prefilled) and len(cache) == 3
+    finally:
+        engine.close()
+
+
+def test_block_names_chain_from_the_start() -> None:
+    a, b = block_names([1, 2, 3, 4, 5, 6, 7, 8], 4), block_names([9, 9, 9, 9, 5, 6, 7, 8], 4)
+    assert len(a) == 2 and a[1] != b[1]  # equal blocks after different prefixes have different names
+    assert block_names([1, 2, 3], 4) == []
+
+
+SYSTEM = list(range(2000, 2100))  # 100 tokens shared by every request below
+
+
+def _prefill_tokens(cluster) -> list[float]:  # type: ignore[no-untyped-def]
+    return [scrape(worker.metrics)["pdserve_prompt_tokens_total"] for worker in cluster.prefill]
+
+
+def test_shared_prefixes_land_on_the_worker_that_has_them_until_it_is_too_far_ahead(tiny_model_dir: Path) -> None:
+    # Polls are rare here: the routing under test reads the gateway's own in-flight counts, not a poll.
+    cluster = start_cluster(tiny_model_dir, prefill=2, decode=1, decode_args=("--max-seqs=8",),
+                            gateway_args=("--prefix-balance-tokens=150", "--poll-interval=60"))
+    try:
+        address = cluster.gateway.address
+        for question in range(4):  # one at a time: each finds the prefix where the first one left it
+            completion = generate(address, 60, token_ids=SYSTEM + [question + 1] * 10, max_tokens=2, temperature=0)
+            assert completion.usage.cached_tokens == (0 if question == 0 else 96)  # type: ignore[union-attr]
+        counts = _prefill_tokens(cluster)
+        home = max(range(2), key=lambda i: counts[i])
+        assert counts[home] == 4 * 110 and counts[1 - home] == 0  # the other worker idled: no need to spill
+
+        # Freeze the home worker: requests sent there stay in flight, so its load grows with each one.
+        cluster.prefill[home].process.send_signal(signal.SIGSTOP)
+        results: dict[int, object] = {}
+
+        def ask(n: int) -> None:
+            results[n] = generate(address, 60, token_ids=SYSTEM + [50 + n] * 10, max_tokens=2, temperature=0)
+
+        threads = []
+        for n in range(4):
+            threads.append(threading.Thread(target=ask, args=(n,)))
+            threads[-1].start()
+            time.sleep(0.3)  # routed before the next one arrives
+        # 0 goes home (0 queued vs 0); 1 too (110 <= 0 + 150); 2 spills (220 > 0 + 150), and 3 follows it to
+        # the worker that has the prefix now and is less loaded. Both finish while home is frozen.
+        threads[2].join(30)
+        threads[3].join(30)
+        assert sorted(results) == [2, 3]
+        other = scrape(cluster.prefill[1 - home].metrics)  # (the frozen worker cannot answer a scrape)
+        assert other["pdserve_prompt_tokens_total"] == 2 * 110 and other["pdserve_prefix_cache_hits_total"] == 96
+        cluster.prefill[home].process.send_signal(signal.SIGCONT)
+        for thread in threads:
+            thread.join(60)
+        assert sorted(results) == [0, 1] + [2, 3]
+        assert _prefill_tokens(cluster)[home] == 6 * 110
+        assert_nothing_held(cluster)
+    finally:
+        for worker in cluster.prefill:
+            worker.process.send_signal(signal.SIGCONT)
+        cluster.stop()
