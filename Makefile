@@ -47,6 +47,7 @@ bench: install
 	$(VENV)/bin/pdserve bench scenarios
 	$(VENV)/bin/pdserve bench interference
 	$(VENV)/bin/pdserve bench chaos
+	$(VENV)/bin/pdserve bench prefix
 
 lint: install
 	$(VENV)/bin/ruff check .

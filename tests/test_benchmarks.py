@@ -79,3 +79,16 @@ def test_bench_chaos_runs_every_experiment_and_reports_ok(tiny_model_dir: Path, 
     assert result["cancel_storm"]["requests"] == 20 and result["kill_decode"]["streams"] == 4
     assert result["overload"]["refused"] > 0  # the flood is 10x what the tiny cluster serves
     assert json.loads((tmp_path / "chaos.json").read_text()) == result
+
+
+def test_bench_prefix_reports_both_modes_and_the_cache_is_used(tiny_model_dir: Path, tmp_path: Path) -> None:
+    result = _bench("prefix", "--model", str(tiny_model_dir), "--system", "64", "--question", "8", "--requests", "4",
+                    "--conversations", "2", "--turns", "2", "--reply", "4", "--out", str(tmp_path))
+    for workload in (result, result["multi_turn"]):
+        for mode in ("off", "on"):
+            assert {"ttft_p50", "ttft_p99", "prefill_tokens"} <= set(workload[mode])
+        assert workload["off"]["cached_tokens"] == 0 and workload["on"]["cached_tokens"] > 0
+    # Deterministic counts (no timing is checked): 4 prompts of 72 tokens; with the cache, 64 of each of the
+    # last three come from it (the 8-token question runs).
+    assert result["off"]["prefill_tokens"] == 4 * 72 and result["on"]["prefill_tokens"] == 72 + 3 * 8
+    assert json.loads((tmp_path / "prefix.json").read_text()) == result and (tmp_path / "prefix.png").exists()
