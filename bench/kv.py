@@ -89,7 +89,9 @@ async def _bench(args: argparse.Namespace, model_dir: Path, tokens: list[int]) -
     decode = _spawn("decode", "decode_service", [*flags, "--threads", "1", "--max-seqs", "2"], receive_cpus)
     sink = _spawn("sink", "bench.kv", ["--sink"], receive_cpus)
     prefills = {} if args.no_exposed else {
-        name: _spawn("prefill", "prefill_service", [*flags, "--threads", str(args.threads), *extra], send_cpus)
+        # No prefix cache: the exposed-transfer rounds repeat one prompt, and each must run the whole forward pass.
+        name: _spawn("prefill", "prefill_service", [*flags, "--threads", str(args.threads), "--prefix-cache-mb=0",
+                                                    *extra], send_cpus)
         for name, extra in PREFILL_VARIANTS.items()}
     services = [decode, sink, *prefills.values()]
     try:
