@@ -214,10 +214,13 @@ class OpenAIServer:
                 raise BadParameter(name, f"{name} must be >= {-1 if name == 'top_k' else 0}")
             if name == "max_tokens" and value < 1:
                 raise BadParameter(name, "max_tokens must be >= 1")
-            if name == "top_k":
-                generate.top_k = max(0, int(value))  # -1 (vLLM's "off") is 0 here
-            else:
-                setattr(generate, name, value)
+            try:
+                if name == "top_k":
+                    generate.top_k = max(0, int(value))  # -1 (vLLM's "off") is 0 here
+                else:
+                    setattr(generate, name, value)
+            except (ValueError, TypeError, OverflowError):  # beyond the field's integer width
+                raise BadParameter(name, f"{name} = {value} is out of range") from None
         stop = body.get("stop")
         if isinstance(stop, str):
             stop = [stop]
@@ -242,7 +245,7 @@ class OpenAIServer:
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str) and prompt:
             generate.prompt = prompt
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and t >= 0 for t in prompt):
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and 0 <= t < 1 << 32 for t in prompt):
             generate.token_ids.extend(prompt)
         else:
             raise BadParameter("prompt", "prompt must be a non-empty string or list of token ids (one prompt: "

@@ -95,6 +95,7 @@ def test_completions_honour_max_tokens_and_stop(client: openai.OpenAI, keyed: Cl
     ({"max_tokens": 0}, "max_tokens"),
     ({"logprobs": True}, "logprobs"),
     ({"stop": [""]}, "stop"),
+    ({"seed": 2**70}, "seed"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, None),
 ])
 def test_bad_parameters_are_400_with_the_parameter_named(client: openai.OpenAI, keyed: Cluster,
@@ -123,6 +124,8 @@ def test_bad_key_unknown_model_and_bad_json_are_refused(keyed: Cluster) -> None:
     assert missing.value.code == "model_not_found"
     status, body, _ = _post(keyed, "/v1/completions", b"{not json")
     assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body, _ = _post(keyed, "/v1/completions", json.dumps({"prompt": [1, 2**40]}).encode())
+    assert status == 400 and body["error"]["param"] == "prompt"
     status, body, _ = _post(keyed, "/v1/nowhere", b"{}")
     assert status == 404 and body["error"]["type"] == "not_found_error"
 
