@@ -17,9 +17,11 @@ from model_runner import forward
 from model_runner.loading import LoadedModel, ModelConfig
 from model_runner.prefix_cache import PrefixCache, block_names
 from pdserve.client import generate
+from pdserve.cluster import Cluster
 from pdserve.metrics import scrape
 from prefill_service.engine import Abandoned, Prefilled, PrefillEngine
 from tests.conftest import assert_nothing_held, start_cluster
+from tests.test_generate_e2e import hf_greedy
 from tests.test_prefill_engine import _Recorder
 
 BLOCK = 4
@@ -141,7 +143,7 @@ def test_block_names_chain_from_the_start() -> None:
 SYSTEM = list(range(2000, 2100))  # 100 tokens shared by every request below
 
 
-def _prefill_tokens(cluster) -> list[float]:  # type: ignore[no-untyped-def]
+def _prefill_tokens(cluster: Cluster) -> list[float]:
     return [scrape(worker.metrics)["pdserve_prompt_tokens_total"] for worker in cluster.prefill]
 
 
@@ -187,3 +189,17 @@ def test_shared_prefixes_land_on_the_worker_that_has_them_until_it_is_too_far_ah
         for worker in cluster.prefill:
             worker.process.send_signal(signal.SIGCONT)
         cluster.stop()
+
+
+def test_greedy_outputs_with_hits_and_partial_hits_match_hugging_face(tiny_cluster: Cluster,
+                                                                       tiny_model_dir: Path) -> None:
+    system = list(range(4000, 4050))  # 50 tokens: 3 full blocks
+    prompts = [system + [7, 8, 9], system + [10, 11], system[:24] + [12] * 20, system + [7, 8, 9]]
+    cached = []
+    for prompt in prompts:  # a miss, a hit, a partial hit, the first prompt again (a hit)
+        completion = generate(tiny_cluster.gateway.address, 60, token_ids=prompt, max_tokens=12, temperature=0,
+                              ignore_eos=True)
+        assert completion.token_ids == hf_greedy(tiny_model_dir, prompt, 12)  # the reference: no cache at all
+        cached.append(completion.usage.cached_tokens)  # type: ignore[union-attr]
+    assert cached == [0, 48, 16, 48]
+    assert_nothing_held(tiny_cluster)
