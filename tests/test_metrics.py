@@ -124,3 +124,24 @@ def test_a_refused_kv_transfer_counts_as_a_failure(tiny_cluster: Cluster) -> Non
     assert refused.value.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
     assert scrape(worker.metrics)[name] == before + 1
     assert_nothing_held(tiny_cluster)
+
+
+def test_every_service_s_metrics_parse_as_prometheus_text(tiny_cluster: Cluster) -> None:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for role, service in _services(tiny_cluster):
+        with urllib.request.urlopen(f"http://{service.metrics}/metrics", timeout=5) as response:
+            families = {family.name: family for family in text_string_to_metric_families(response.read().decode())}
+        histograms = [name for name, family in families.items() if family.type == "histogram"]
+        assert histograms, role  # every service has latency histograms
+        for name in histograms:  # per label set, cumulative buckets ending in +Inf, as Prometheus requires
+            series: dict[tuple, list] = {}
+            for sample in families[name].samples:
+                if sample.name.endswith("_bucket"):
+                    key = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "le"))
+                    series.setdefault(key, []).append(sample)
+            for buckets in series.values():
+                assert buckets[-1].labels["le"] == "+Inf"
+                assert all(a.value <= b.value for a, b in zip(buckets, buckets[1:]))
