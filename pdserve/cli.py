@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> None:
     cluster.add_argument("--trace-dir", default="", metavar="DIR",
                          help="every process appends its spans to DIR (OTLP JSON lines); read them with "
                          "`pdserve trace REQUEST_ID --dir DIR`")
+    cluster.add_argument("--tls-dir", default="", metavar="DIR",
+                         help="mutual TLS between every process, with the certificates `deploy/make-certs.sh DIR` "
+                         "writes (ca.pem, gateway.pem, prefill.pem, decode.pem, client.pem and their keys)")
     cluster.add_argument("--log-format", default="", choices=["text", "json"],
                          help="json: every process logs JSON lines, with trace and request ids (default: text)")
     cluster.add_argument("--demo", nargs="?", const=DEMO_PROMPT, default=None, metavar="PROMPT",
@@ -69,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     client.add_argument("--seed", type=int, default=None)
     client.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     client.add_argument("--timeout", type=float, default=None, help="deadline in seconds, per request")
+    tls.add_args(client, "the client's")
 
     generate = commands.add_parser("generate", parents=[client], help="stream a completion from a running gateway",
                                    description="Stream a completion for PROMPT from a gateway to the terminal "
@@ -139,7 +143,7 @@ def _cluster(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                threads=args.threads, prefill_args=tuple(args.prefill_arg),
                                gateway_args=tuple(args.gateway_arg),
                                decode_args=tuple(args.decode_arg), pin=args.pin,
-                               colocate_below=args.colocate_below, trace_dir=args.trace_dir,
+                               colocate_below=args.colocate_below, trace_dir=args.trace_dir, tls_dir=args.tls_dir,
                                log_format=args.log_format if args.log_format != "text" else "")
     except ValueError as exc:
         parser.error(str(exc))
@@ -177,14 +181,18 @@ def _print_trace(request_id: str, directory: str) -> None:
               file=sys.stderr, flush=True)
 
 
+def _identity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tls.TLS | None:
+    """The client certificate the --tls-* flags name, if any; a bad one is a usage error."""
+    try:
+        return tls.from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
 def _health(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    try:
-        identity = tls.from_args(args)
-    except ValueError as exc:
-        parser.error(str(exc))
-    with tls.channel(args.address, identity) as channel:
+    with tls.channel(args.address, _identity(args, parser)) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout)
         except grpc.RpcError as exc:
@@ -230,7 +238,8 @@ def _chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         messages.append({"role": "user", "content": line})
         reply = []
         try:
-            for response in stream(args.address, args.timeout, args.api_key, messages=messages, **_sampling(args)):
+            for response in stream(args.address, args.timeout, args.api_key, _identity(args, parser),
+                                   messages=messages, **_sampling(args)):
                 sys.stdout.write(response.text)
                 sys.stdout.flush()
                 reply.append(response.text)
@@ -250,14 +259,14 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if args.json:
             from pdserve.client import generate
 
-            completion = generate(args.address, args.timeout, args.api_key, **fields)
+            completion = generate(args.address, args.timeout, args.api_key, _identity(args, parser), **fields)
             print(json.dumps({"request_id": completion.request_id, "text": completion.text,
                               "token_ids": completion.token_ids, "finish_reason": completion.finish_reason,
                               "usage": {"prompt_tokens": completion.usage.prompt_tokens,
                                         "completion_tokens": completion.usage.completion_tokens}
                               if completion.usage else None}))
         else:
-            _stream_to_terminal(args.address, fields, args.timeout, args.api_key)
+            _stream_to_terminal(args.address, fields, args.timeout, args.api_key, _identity(args, parser))
     except grpc.RpcError as exc:
         print(f"pdserve generate: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
         return 1
@@ -265,10 +274,10 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _stream_to_terminal(address: str, fields: dict[str, object], timeout: float | None = None,
-                        api_key: str = "") -> None:
+                        api_key: str = "", identity: tls.TLS | None = None) -> None:
     from pdserve.client import stream
 
-    for response in stream(address, timeout, api_key, **fields):
+    for response in stream(address, timeout, api_key, identity, **fields):
         sys.stdout.write(response.text)
         sys.stdout.flush()
         if response.finish_reason:

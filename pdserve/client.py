@@ -6,8 +6,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
-
+from pdserve.tls import TLS, channel
 from protos import gateway_pb2, gateway_pb2_grpc
 
 
@@ -21,15 +20,16 @@ class Completion:
     timing: gateway_pb2.Timing | None = None
 
 
-def stream(address: str, timeout: float | None = None, api_key: str = "",
+def stream(address: str, timeout: float | None = None, api_key: str = "", tls: TLS | None = None,
            **fields: Any) -> Iterator[gateway_pb2.GenerateResponse]:
     """Yield the gateway's responses for one request; `fields` are GenerateRequest fields (`messages` may be
-    a list of {"role", "content"} dicts). `api_key` is sent as `authorization: Bearer ...` when given."""
+    a list of {"role", "content"} dicts). `api_key` is sent as `authorization: Bearer ...` when given; `tls` is
+    the client's certificate when the gateway runs mutual TLS."""
     if fields.get("messages"):
         fields["messages"] = [gateway_pb2.ChatMessage(**m) if isinstance(m, dict) else m for m in fields["messages"]]
     metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
-    with grpc.insecure_channel(address) as channel:
-        call = gateway_pb2_grpc.GatewayStub(channel).Generate(gateway_pb2.GenerateRequest(**fields), timeout=timeout,
+    with channel(address, tls) as chan:
+        call = gateway_pb2_grpc.GatewayStub(chan).Generate(gateway_pb2.GenerateRequest(**fields), timeout=timeout,
                                                               metadata=metadata)
         try:
             yield from call
@@ -37,9 +37,10 @@ def stream(address: str, timeout: float | None = None, api_key: str = "",
             call.cancel()  # leaving the loop early cancels the request on every service
 
 
-def generate(address: str, timeout: float | None = None, api_key: str = "", **fields: Any) -> Completion:
+def generate(address: str, timeout: float | None = None, api_key: str = "", tls: TLS | None = None,
+             **fields: Any) -> Completion:
     completion = Completion()
-    for response in stream(address, timeout, api_key, **fields):
+    for response in stream(address, timeout, api_key, tls, **fields):
         completion.request_id = response.request_id
         completion.token_ids.extend(response.token_ids)
         completion.text += response.text

@@ -5,6 +5,7 @@ Certificates come from deploy/make-certs.sh (the development CA script), a secon
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -147,3 +148,15 @@ def test_the_health_probe_speaks_mutual_tls(secured: Cluster, certs: Path) -> No
                 "--tls-ca", str(certs / "ca.pem")]
     assert subprocess.run([*probe, *identity], capture_output=True, timeout=60).returncode == 0
     assert subprocess.run(probe, capture_output=True, timeout=60).returncode == 1  # plain text: refused
+
+
+def test_the_cli_client_speaks_mutual_tls(secured: Cluster, certs: Path) -> None:
+    command = [sys.executable, "-m", "pdserve.cli", "generate", "Hi", "--address", secured.gateway.address,
+               "--max-tokens", "3", "--json", "--timeout", "60"]
+    identity = ["--tls-cert", str(certs / "client.pem"), "--tls-key", str(certs / "client-key.pem"),
+                "--tls-ca", str(certs / "ca.pem")]
+    done = subprocess.run([*command, *identity], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["usage"]["completion_tokens"] >= 1
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and "UNAVAILABLE" in refused.stderr
