@@ -75,7 +75,8 @@ def traced(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         env.setenv("PDSERVE_LOG_FORMAT", "json")
         os.dup2(log_file.fileno(), 2)  # the workers inherit this stderr
         try:
-            cluster = start_cluster(tiny_model_dir, prefill=2, decode=1)
+            # Rare polls: the killed worker below is found by the request sent to it (a retry), not by a poll.
+            cluster = start_cluster(tiny_model_dir, prefill=2, decode=1, gateway_args=("--poll-interval=60",))
         finally:
             os.dup2(saved_stderr, 2)
             os.close(saved_stderr)
