@@ -56,12 +56,15 @@ class BadParameter(Exception):
         self.param, self.message = param, message
 
 
+def _error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _ERROR_TYPE.get(status, "server_error"), "param": param,
+                      "code": code}}
+
+
 def error(status: int, message: str, param: str | None = None, code: str | None = None,
           headers: dict[str, str] | None = None) -> web.Response:
     """An OpenAI error object."""
-    body = {"error": {"message": message, "type": _ERROR_TYPE.get(status, "server_error"), "param": param,
-                      "code": code}}
-    return web.json_response(body, status=status, headers=headers)
+    return web.json_response(_error_body(status, message, param, code), status=status, headers=headers)
 
 
 def _failed(exc: RequestFailed) -> web.Response:
@@ -176,9 +179,7 @@ class OpenAIServer:
                     break
                 response = await anext(responses, None)
         except RequestFailed as exc:  # mid-stream: the status is sent already, so the error is an event
-            await send({"error": {"message": exc.message, "type": _ERROR_TYPE.get(_HTTP_STATUS.get(exc.code, 500),
-                                                                                     "server_error"),
-                                  "param": None, "code": exc.code.name.lower()}})
+            await send(_error_body(_HTTP_STATUS.get(exc.code, 500), exc.message, code=exc.code.name.lower()))
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
         return out
