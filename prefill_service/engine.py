@@ -174,6 +174,11 @@ class PrefillEngine:
 
     def _run_chunk(self, job: PrefillJob) -> None:
         prompt = job.token_ids
+        if job.cache is None:  # its first pass: start after its cached prefix
+            self._rematch(job)
+            job.cache, job.started = WatchedCache(), time.perf_counter()
+            if job.prefix:
+                continuation(job.prefix, job.cache)
         chunk = prompt[job.done : job.done + self._scheduler.chunk_tokens]
         last = job.done + len(chunk) == len(prompt)
         streaming = self.layer_streaming and last
@@ -184,10 +189,6 @@ class PrefillEngine:
             if streaming:
                 job.deliver(layer, keys[0], values[0])
 
-        if job.cache is None:
-            job.cache, job.started = WatchedCache(), time.perf_counter()
-            if job.prefix:  # continue after the cached prefix
-                continuation(job.prefix, job.cache)
         job.cache.on_layer = on_layer
         logits = prefill_pass(self.runner, [chunk], job.cache)[0]
         job.done += len(chunk)
@@ -201,6 +202,20 @@ class PrefillEngine:
         passes = -(-(len(prompt) - cached) // self._scheduler.chunk_tokens)
         self._finish(job, Prefilled(sample(logits, job.sampling, position=len(prompt)), job.started,
                                     time.perf_counter(), passes=passes, cached_tokens=cached))
+
+    def _rematch(self, job: PrefillJob) -> None:
+        """Look the prompt up again as it starts: prompts that finished while it waited (the same system prompt
+        sent in a burst, say) may have cached more of it than its lookup at submit found."""
+        if self.prefix_cache is None:
+            return
+        with self._wake:
+            blocks = self.prefix_cache.match(job.token_ids)
+            if len(blocks) > len(job.prefix):
+                job.prefix = blocks
+                job.done = job.cached_tokens
+                cost = len(job.token_ids) - job.done
+                self.queued_tokens -= job.cost - cost
+                job.cost = cost
 
     def _remember(self, job: PrefillJob, layers: list[LayerKV]) -> None:
         """A completed prompt's full blocks go into the prefix cache (never a cancelled one's partial KV)."""

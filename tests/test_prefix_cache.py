@@ -115,6 +115,34 @@ def test_hits_partial_hits_and_evictions_give_each_prompt_exactly_its_own_kv_and
         engine.close()
 
 
+def test_prompts_queued_together_reuse_the_prefix_the_first_one_computes(runner: LoadedModel) -> None:
+    cache = PrefixCache(16, budget_bytes=1 << 30)
+    engine = PrefillEngine(runner, chunk_tokens=16, prefix_cache=cache)
+    system = list(range(600, 640))  # 2 full blocks and 8 tokens
+    try:
+        hold = threading.Event()
+        blocker = _Recorder([1, 2, 3], hold)
+        engine.submit(blocker.job)
+        assert blocker.entered.wait(30)
+        burst = [_Recorder(system + [n] * 10) for n in (7, 8, 9)]  # a burst: all miss when they arrive
+        for recorder in burst:
+            engine.submit(recorder.job)
+        hold.set()
+        outcomes = [recorder.wait() for recorder in burst]
+        assert all(isinstance(o, Prefilled) for o in outcomes)
+        # The first computes the prefix; the others look again as they start, and find it.
+        assert [o.cached_tokens for o in outcomes] == [0, 32, 32]  # type: ignore[union-attr]
+        for recorder, outcome in zip(burst, outcomes):
+            logits, kv = forward.prefill(runner, recorder.job.token_ids)
+            assert outcome.first_token == int(torch.argmax(logits))  # type: ignore[union-attr]
+            for layer, (keys, values) in enumerate(kv):
+                torch.testing.assert_close(recorder.layers[layer][0], keys, atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(recorder.layers[layer][1], values, atol=1e-4, rtol=1e-4)
+        assert (engine.queued_tokens, engine.live_jobs) == (0, 0)
+    finally:
+        engine.close()
+
+
 def test_a_cancelled_prompt_leaves_no_entry(runner: LoadedModel) -> None:
     cache = PrefixCache(16, budget_bytes=1 << 30)
     engine = PrefillEngine(runner, chunk_tokens=16, prefix_cache=cache)
