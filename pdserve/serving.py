@@ -33,6 +33,8 @@ class ServerConfig:
     metrics_port: int = 0  # Prometheus /metrics over HTTP; 0 = a free port, reported with the address; -1 = off
     tls: TLS | None = None  # mutual TLS for this server and the calls it makes
     max_concurrent_rpcs: int = 1024  # calls beyond this are refused with RESOURCE_EXHAUSTED
+    otlp_endpoint: str = ""  # spans to this OTLP gRPC endpoint ("" = the OTEL_* environment's, if any)
+    trace_dir: str = ""  # spans appended here as OTLP JSON lines ("" = $PDSERVE_TRACE_DIR, if set)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -56,11 +58,13 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int = 0) -> N
     group.add_argument("--max-concurrent-rpcs", type=int, default=1024,
                        help="calls served at once; more are refused with RESOURCE_EXHAUSTED (default: %(default)s)")
     tls.add_args(group)
+    tracing.add_args(group)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(host=args.host, port=args.port, grace_s=args.grace_s, metrics_port=args.metrics_port,
-                        tls=tls.from_args(args), max_concurrent_rpcs=args.max_concurrent_rpcs)
+                        tls=tls.from_args(args), max_concurrent_rpcs=args.max_concurrent_rpcs,
+                        otlp_endpoint=args.otlp_endpoint, trace_dir=args.trace_dir)
 
 
 async def serve(
@@ -80,7 +84,7 @@ async def serve(
     Shutdown is ordered: health turns NOT_SERVING, new calls are refused, in-flight calls get `grace_s`, then
     `on_shutdown` releases what the service holds. `also`: a second server (from `listen`) stopped with this one.
     """
-    tracing.setup(role)
+    tracing.setup(role, config.otlp_endpoint, config.trace_dir)
     server, port, health = await listen(role, config, config.port, register)
     address = f"{config.host}:{port}"
     metrics_address = ""

@@ -36,11 +36,23 @@ _propagator = TraceContextTextMapPropagator()
 _provider: object | None = None
 
 
-def setup(service: str) -> None:
-    """Install the OTLP exporter for `service` when the environment asks for one (see the module's doc)."""
+def add_args(group: Any) -> None:
+    """A service's tracing flags, each defaulting to its environment variable."""
+    group.add_argument("--otlp-endpoint", default="",
+                       help="send spans to this OTLP gRPC endpoint, e.g. http://jaeger:4317 (default: "
+                       "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT; none: no tracing)")
+    group.add_argument("--trace-dir", default="",
+                       help=f"append spans to DIR/<service>-<pid>.jsonl for `pdserve trace` "
+                       f"(default: ${TRACE_DIR_ENV})")
+
+
+def setup(service: str, endpoint: str = "", directory: str = "") -> None:
+    """Install the exporters for `service`: the flags' endpoint and directory, else the environment's (see the
+    module's doc)."""
     global _provider
-    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-    directory = os.environ.get(TRACE_DIR_ENV)
+    endpoint = (endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+                or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", ""))
+    directory = directory or os.environ.get(TRACE_DIR_ENV, "")
     if not (endpoint or directory) or os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
         return
     from opentelemetry.sdk.resources import Resource

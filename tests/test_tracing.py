@@ -208,3 +208,22 @@ def test_a_cancelled_and_a_retried_request_show_where_in_their_traces(traced: Tr
         retried += [e for e in spans["gateway"][1].events if e.name == "retry"]
     assert len(retried) == 1
     assert generate(cluster.gateway.address, timeout=30, prompt="Hi", max_tokens=2).finish_reason
+
+
+def test_each_service_s_trace_flags_work_without_the_environment(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from pdserve import waterfall
+    from pdserve.client import generate as complete
+
+    flag = f"--trace-dir={tmp_path}"
+    cluster = start_cluster(tiny_model_dir, prefill_args=(flag,), decode_args=(flag,), gateway_args=(flag,))
+    try:
+        assert complete(cluster.gateway.address, 60, prompt="Hi", max_tokens=3, request_id="flagged").finish_reason
+        deadline = time.monotonic() + 20
+        while True:  # the default batch delay is 5 s
+            services = {s.service for s in waterfall.find_trace(waterfall.load(tmp_path), "flagged")}
+            if services == {"pdserve-gateway", "pdserve-prefill", "pdserve-decode"}:
+                break
+            assert time.monotonic() < deadline, services
+            time.sleep(0.5)
+    finally:
+        cluster.stop()
