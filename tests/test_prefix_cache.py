@@ -81,6 +81,16 @@ def runner(default_model_dir: Path) -> LoadedModel:
     return ModelConfig(model=str(default_model_dir)).load()
 
 
+def _assert_its_own(runner: LoadedModel, recorder: _Recorder, outcome: Prefilled) -> None:
+    """The prompt's delivered KV and first token are those of the same prompt prefilled alone, with no cache."""
+    logits, kv = forward.prefill(runner, recorder.job.token_ids)
+    assert outcome.first_token == int(torch.argmax(logits))
+    assert sorted(recorder.layers) == list(range(len(kv)))
+    for layer, (keys, values) in enumerate(kv):
+        torch.testing.assert_close(recorder.layers[layer][0], keys, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(recorder.layers[layer][1], values, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("layer_streaming", [True, False], ids=["streamed", "after-pass"])
 def test_hits_partial_hits_and_evictions_give_each_prompt_exactly_its_own_kv_and_first_token(
     runner: LoadedModel, layer_streaming: bool
@@ -103,12 +113,7 @@ def test_hits_partial_hits_and_evictions_give_each_prompt_exactly_its_own_kv_and
             outcome = recorder.wait()
             assert isinstance(outcome, Prefilled), outcome
             assert outcome.cached_tokens == expected_cached
-            logits, kv = forward.prefill(runner, prompt)  # the same prompt alone, no cache
-            assert outcome.first_token == int(torch.argmax(logits))
-            assert sorted(recorder.layers) == list(range(len(kv)))
-            for layer, (keys, values) in enumerate(kv):
-                torch.testing.assert_close(recorder.layers[layer][0], keys, atol=1e-4, rtol=1e-4)
-                torch.testing.assert_close(recorder.layers[layer][1], values, atol=1e-4, rtol=1e-4)
+            _assert_its_own(runner, recorder, outcome)
             assert cache.bytes <= cache.budget_bytes
         assert (engine.queued_tokens, engine.live_jobs) == (0, 0)
     finally:
@@ -133,11 +138,7 @@ def test_prompts_queued_together_reuse_the_prefix_the_first_one_computes(runner:
         # The first computes the prefix; the others look again as they start, and find it.
         assert [o.cached_tokens for o in outcomes] == [0, 32, 32]  # type: ignore[union-attr]
         for recorder, outcome in zip(burst, outcomes):
-            logits, kv = forward.prefill(runner, recorder.job.token_ids)
-            assert outcome.first_token == int(torch.argmax(logits))  # type: ignore[union-attr]
-            for layer, (keys, values) in enumerate(kv):
-                torch.testing.assert_close(recorder.layers[layer][0], keys, atol=1e-4, rtol=1e-4)
-                torch.testing.assert_close(recorder.layers[layer][1], values, atol=1e-4, rtol=1e-4)
+            _assert_its_own(runner, recorder, outcome)  # type: ignore[arg-type]
         assert (engine.queued_tokens, engine.live_jobs) == (0, 0)
     finally:
         engine.close()
