@@ -28,10 +28,6 @@ class ApiKeys:
             keys += Path(key_file).read_text().splitlines()
         return cls(key.strip() for key in keys)
 
-    @property
-    def required(self) -> bool:
-        return bool(self._keys)
-
     def allows(self, metadata: Iterable[tuple[str, str | bytes]] | Mapping[str, str] | None) -> bool:
         """Whether the caller's `authorization` header (gRPC metadata pairs or HTTP headers) holds a key."""
         if not self._keys:

@@ -67,10 +67,16 @@ def error(status: int, message: str, param: str | None = None, code: str | None 
     return web.json_response(_error_body(status, message, param, code), status=status, headers=headers)
 
 
-def _failed(exc: RequestFailed) -> web.Response:
+def _failure(exc: RequestFailed) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and OpenAI error object of a request that failed with a gRPC status."""
     status = _HTTP_STATUS.get(exc.code, 500)
+    return status, _error_body(status, exc.message, code=exc.code.name.lower())
+
+
+def _failed(exc: RequestFailed) -> web.Response:
+    status, body = _failure(exc)
     headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_ms / 1000)))} if status == 429 else None
-    return error(status, exc.message, code=exc.code.name.lower(), headers=headers)
+    return web.json_response(body, status=status, headers=headers)
 
 
 class OpenAIServer:
@@ -179,7 +185,7 @@ class OpenAIServer:
                     break
                 response = await anext(responses, None)
         except RequestFailed as exc:  # mid-stream: the status is sent already, so the error is an event
-            await send(_error_body(_HTTP_STATUS.get(exc.code, 500), exc.message, code=exc.code.name.lower()))
+            await send(_failure(exc)[1])
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
         return out

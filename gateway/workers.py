@@ -212,10 +212,14 @@ class Pool:
         start = next(self._turn) % len(self.workers)
         now = time.monotonic()
         ordered = self.workers[start:] + self.workers[:start]
-        ordered.sort(key=lambda w: (w.address in avoid, not w.serving or w.suspect_until > now, w.load()))  # stable
+
+        def healthy(w: Worker) -> bool:  # serving, breaker closed
+            return w.serving and w.suspect_until <= now
+
+        ordered.sort(key=lambda w: (w.address in avoid, not healthy(w), w.load()))  # stable
         names = block_names(prompt, PREFIX_BLOCK_TOKENS) if prompt and balance_tokens >= 0 else []
         if names:
-            eligible = [w for w in ordered if w.address not in avoid and w.serving and w.suspect_until <= now]
+            eligible = [w for w in ordered if w.address not in avoid and healthy(w)]
             home = self.prefixes.best(names, [w.address for w in eligible])
             worker = next((w for w in eligible if w.address == home), None)
             if worker is not None and worker.load()[0] <= eligible[0].load()[0] + balance_tokens:

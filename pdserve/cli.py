@@ -222,6 +222,7 @@ def _sampling(args: argparse.Namespace) -> dict[str, object]:
 def _chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from pdserve.client import stream
 
+    identity = _identity(args, parser)
     opening = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(opening)
     interactive = sys.stdin.isatty()
@@ -238,8 +239,8 @@ def _chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         messages.append({"role": "user", "content": line})
         reply = []
         try:
-            for response in stream(args.address, args.timeout, args.api_key, _identity(args, parser),
-                                   messages=messages, **_sampling(args)):
+            for response in stream(args.address, args.timeout, args.api_key, identity, messages=messages,
+                                   **_sampling(args)):
                 sys.stdout.write(response.text)
                 sys.stdout.flush()
                 reply.append(response.text)

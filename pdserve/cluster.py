@@ -187,16 +187,10 @@ def start(config: ClusterConfig) -> Cluster:
     deadline = time.monotonic() + config.startup_timeout_s
     worker_flags = ["--host", config.host, "--model", model_dir, "--dtype", config.dtype, "--device", config.device,
                     "--threads", str(config.threads_per_worker)]
-    client_tls = None
-    if config.tls_dir:
-        client_tls = TLS(*(os.path.join(config.tls_dir, name) for name in ("client.pem", "client-key.pem", "ca.pem")))
+    client_tls = TLS.of(config.tls_dir, "client") if config.tls_dir else None
 
     def tls_flags(role: str) -> list[str]:
-        if not config.tls_dir:
-            return []
-        return [f"--tls-cert={os.path.join(config.tls_dir, role + '.pem')}",
-                f"--tls-key={os.path.join(config.tls_dir, role + '-key.pem')}",
-                f"--tls-ca={os.path.join(config.tls_dir, 'ca.pem')}"]
+        return TLS.of(config.tls_dir, role).flags() if config.tls_dir else []
 
     env = dict(os.environ)
     if config.trace_dir:

@@ -25,6 +25,15 @@ class TLS:
     key: str
     ca: str
 
+    @classmethod
+    def of(cls, directory: str, role: str) -> TLS:
+        """`role`'s certificate in a directory `deploy/make-certs.sh` wrote: ROLE.pem, ROLE-key.pem, ca.pem."""
+        return cls(*(os.path.join(directory, name) for name in (f"{role}.pem", f"{role}-key.pem", "ca.pem")))
+
+    def flags(self) -> list[str]:
+        """The same certificate as a service's flags."""
+        return [f"--tls-cert={self.cert}", f"--tls-key={self.key}", f"--tls-ca={self.ca}"]
+
     def __post_init__(self) -> None:
         for flag, path in (("--tls-cert", self.cert), ("--tls-key", self.key), ("--tls-ca", self.ca)):
             if not Path(path).is_file():

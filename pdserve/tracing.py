@@ -122,9 +122,7 @@ class _FileExporter(SpanExporter):
 
 def outgoing() -> list[tuple[str, str]]:
     """gRPC metadata carrying the current span's context to the next hop."""
-    carrier: dict[str, str] = {}
-    _propagator.inject(carrier)
-    return list(carrier.items())
+    return list(carrier().items())
 
 
 def carrier() -> dict[str, str]:

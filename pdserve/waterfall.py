@@ -7,6 +7,7 @@ spans carry `pdserve.request_id` = REQUEST_ID (the latest, if a request id was r
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import defaultdict
 from collections.abc import Iterator
@@ -113,12 +114,8 @@ def render(spans: list[Span], request_id: str, show_all: bool = False) -> str:
         walk(span.children, depth + 1)
 
     def walk(siblings: list[Span], depth: int) -> None:
-        index = 0
-        while index < len(siblings):
-            same = 0
-            while index + same < len(siblings) and siblings[index + same].name == siblings[index].name:
-                same += 1
-            run = siblings[index : index + same]
+        for _, group in itertools.groupby(siblings, key=lambda span: span.name):  # runs of same-named spans
+            run = list(group)
             if show_all or len(run) <= COLLAPSE:
                 for span in run:
                     row(span, depth)
@@ -132,7 +129,6 @@ def render(spans: list[Span], request_id: str, show_all: bool = False) -> str:
                 lines.append(f"{label}{'':<9}{spread:>9.1f} ms |{bar(hidden[0].start_ns, hidden[-1].end_ns)}|"
                              f" {len(hidden)} more {run[0].name}, {mean:.1f} ms each on average")
                 row(run[-1], depth)
-            index += same
 
     walk(top, 0)
     return "\n".join(lines)

@@ -95,10 +95,7 @@ class PrefillEngine:
         with self._wake:
             if self._stopping:
                 raise Abandoned("the prefill engine is shutting down")
-            if self.prefix_cache is not None:
-                job.prefix = self.prefix_cache.match(job.token_ids)
-                job.done = job.cached_tokens
-            job.cost = len(job.token_ids) - job.done
+            self._match(job)
             if self.live_jobs and self.queued_tokens + job.cost > self.max_queued_tokens:
                 raise QueueFull(f"prefill queue full: {self.queued_tokens} prompt tokens waiting or running, "
                                 f"budget {self.max_queued_tokens}")
@@ -174,8 +171,11 @@ class PrefillEngine:
 
     def _run_chunk(self, job: PrefillJob) -> None:
         prompt = job.token_ids
-        if job.cache is None:  # its first pass: start after its cached prefix
-            self._rematch(job)
+        if job.cache is None:  # its first pass: start after its cached prefix, looked up again
+            with self._wake:
+                cost = job.cost
+                self._match(job)
+                self.queued_tokens -= cost - job.cost
             job.cache, job.started = WatchedCache(), time.perf_counter()
             if job.prefix:
                 continuation(job.prefix, job.cache)
@@ -203,19 +203,16 @@ class PrefillEngine:
         self._finish(job, Prefilled(sample(logits, job.sampling, position=len(prompt)), job.started,
                                     time.perf_counter(), passes=passes, cached_tokens=cached))
 
-    def _rematch(self, job: PrefillJob) -> None:
-        """Look the prompt up again as it starts: prompts that finished while it waited (the same system prompt
-        sent in a burst, say) may have cached more of it than its lookup at submit found."""
-        if self.prefix_cache is None:
-            return
-        with self._wake:
+    def _match(self, job: PrefillJob) -> None:
+        """Under the lock: the longest cached prefix of a prompt that has not started, and what is left to compute.
+        Called on submit, and again as its first pass starts: prompts that finished while it waited (the same
+        system prompt sent in a burst, say) may have cached more of it."""
+        if self.prefix_cache is not None:
             blocks = self.prefix_cache.match(job.token_ids)
             if len(blocks) > len(job.prefix):
                 job.prefix = blocks
                 job.done = job.cached_tokens
-                cost = len(job.token_ids) - job.done
-                self.queued_tokens -= job.cost - cost
-                job.cost = cost
+        job.cost = len(job.token_ids) - job.done
 
     def _remember(self, job: PrefillJob, layers: list[LayerKV]) -> None:
         """A completed prompt's full blocks go into the prefix cache (never a cancelled one's partial KV)."""

@@ -32,7 +32,7 @@ def _certs(directory: Path) -> Path:
 
 
 def _identity(certs: Path, role: str) -> TLS:
-    return TLS(str(certs / f"{role}.pem"), str(certs / f"{role}-key.pem"), str(certs / "ca.pem"))
+    return TLS.of(str(certs), role)
 
 
 @pytest.fixture(scope="module")
@@ -144,8 +144,7 @@ def test_forged_reused_and_expired_reservation_tokens_are_refused_and_nothing_is
 
 def test_the_health_probe_speaks_mutual_tls(secured: Cluster, certs: Path) -> None:
     probe = [sys.executable, "-m", "pdserve.cli", "health", secured.decode[0].address, "--timeout", "5"]
-    identity = ["--tls-cert", str(certs / "client.pem"), "--tls-key", str(certs / "client-key.pem"),
-                "--tls-ca", str(certs / "ca.pem")]
+    identity = _identity(certs, "client").flags()
     assert subprocess.run([*probe, *identity], capture_output=True, timeout=60).returncode == 0
     assert subprocess.run(probe, capture_output=True, timeout=60).returncode == 1  # plain text: refused
 
@@ -153,8 +152,7 @@ def test_the_health_probe_speaks_mutual_tls(secured: Cluster, certs: Path) -> No
 def test_the_cli_client_speaks_mutual_tls(secured: Cluster, certs: Path) -> None:
     command = [sys.executable, "-m", "pdserve.cli", "generate", "Hi", "--address", secured.gateway.address,
                "--max-tokens", "3", "--json", "--timeout", "60"]
-    identity = ["--tls-cert", str(certs / "client.pem"), "--tls-key", str(certs / "client-key.pem"),
-                "--tls-ca", str(certs / "ca.pem")]
+    identity = _identity(certs, "client").flags()
     done = subprocess.run([*command, *identity], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["usage"]["completion_tokens"] >= 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -120,47 +121,50 @@ def test_hits_partial_hits_and_evictions_give_each_prompt_exactly_its_own_kv_and
         engine.close()
 
 
-def test_prompts_queued_together_reuse_the_prefix_the_first_one_computes(runner: LoadedModel) -> None:
+@pytest.fixture
+def cached_engine(runner: LoadedModel) -> Iterator[tuple[PrefillEngine, PrefixCache]]:
+    """An engine with a roomy prefix cache, running 16-token chunks: 48 tokens are three passes and three blocks."""
     cache = PrefixCache(16, budget_bytes=1 << 30)
     engine = PrefillEngine(runner, chunk_tokens=16, prefix_cache=cache)
+    yield engine, cache
+    engine.close()
+
+
+def test_prompts_queued_together_reuse_the_prefix_the_first_one_computes(
+    runner: LoadedModel, cached_engine: tuple[PrefillEngine, PrefixCache]
+) -> None:
+    engine, _ = cached_engine
     system = list(range(600, 640))  # 2 full blocks and 8 tokens
-    try:
-        hold = threading.Event()
-        blocker = _Recorder([1, 2, 3], hold)
-        engine.submit(blocker.job)
-        assert blocker.entered.wait(30)
-        burst = [_Recorder(system + [n] * 10) for n in (7, 8, 9)]  # a burst: all miss when they arrive
-        for recorder in burst:
-            engine.submit(recorder.job)
-        hold.set()
-        outcomes = [recorder.wait() for recorder in burst]
-        assert all(isinstance(o, Prefilled) for o in outcomes)
-        # The first computes the prefix; the others look again as they start, and find it.
-        assert [o.cached_tokens for o in outcomes] == [0, 32, 32]  # type: ignore[union-attr]
-        for recorder, outcome in zip(burst, outcomes):
-            _assert_its_own(runner, recorder, outcome)  # type: ignore[arg-type]
-        assert (engine.queued_tokens, engine.live_jobs) == (0, 0)
-    finally:
-        engine.close()
+    hold = threading.Event()
+    blocker = _Recorder([1, 2, 3], hold)
+    engine.submit(blocker.job)
+    assert blocker.entered.wait(30)
+    burst = [_Recorder(system + [n] * 10) for n in (7, 8, 9)]  # a burst: all miss when they arrive
+    for recorder in burst:
+        engine.submit(recorder.job)
+    hold.set()
+    outcomes = [recorder.wait() for recorder in burst]
+    assert all(isinstance(o, Prefilled) for o in outcomes)
+    # The first computes the prefix; the others look again as they start, and find it.
+    assert [o.cached_tokens for o in outcomes] == [0, 32, 32]  # type: ignore[union-attr]
+    for recorder, outcome in zip(burst, outcomes):
+        _assert_its_own(runner, recorder, outcome)  # type: ignore[arg-type]
+    assert (engine.queued_tokens, engine.live_jobs) == (0, 0)
 
 
-def test_a_cancelled_prompt_leaves_no_entry(runner: LoadedModel) -> None:
-    cache = PrefixCache(16, budget_bytes=1 << 30)
-    engine = PrefillEngine(runner, chunk_tokens=16, prefix_cache=cache)
-    try:
-        hold = threading.Event()
-        doomed = _Recorder(list(range(500, 548)), hold)  # 3 chunks; held inside its last chunk's first layer
-        engine.submit(doomed.job)
-        assert doomed.entered.wait(30)
-        doomed.job.abandon.set()  # cancelled mid-pass
-        hold.set()
-        assert isinstance(doomed.wait(), Abandoned)
-        assert (len(cache), cache.bytes) == (0, 0)  # nothing half-built
-        kept = _Recorder(list(range(500, 548)))
-        engine.submit(kept.job)
-        assert isinstance(kept.wait(), Prefilled) and len(cache) == 3
-    finally:
-        engine.close()
+def test_a_cancelled_prompt_leaves_no_entry(cached_engine: tuple[PrefillEngine, PrefixCache]) -> None:
+    engine, cache = cached_engine
+    hold = threading.Event()
+    doomed = _Recorder(list(range(500, 548)), hold)  # 3 chunks; held inside its last chunk's first layer
+    engine.submit(doomed.job)
+    assert doomed.entered.wait(30)
+    doomed.job.abandon.set()  # cancelled mid-pass
+    hold.set()
+    assert isinstance(doomed.wait(), Abandoned)
+    assert (len(cache), cache.bytes) == (0, 0)  # nothing half-built
+    kept = _Recorder(list(range(500, 548)))
+    engine.submit(kept.job)
+    assert isinstance(kept.wait(), Prefilled) and len(cache) == 3
 
 
 def test_block_names_chain_from_the_start() -> None:
