@@ -3,15 +3,20 @@
 Nothing is handed on until the trailer proved the stream whole: every tensor covered exactly once, in order,
 every checksum right, the totals equal. Any violation raises KVTransferError with the status that names it.
 
-Each chunk is copied into a private staging buffer from a warm pool, from the message (a view of it, see
-codec.py) or from the lent segment, and its checksum verified on the copy while it is in cache. On the
-shared-memory path that also means a writer that keeps writing into the segment after its lease ended can
-never change KV that was already verified. (Keeping the received messages instead of copying them measured
-2-4x slower: every message then lands in freshly allocated pages, and first writes to fresh pages are slow.)
+On the gRPC path the received messages are the KV: each chunk is verified where it landed (a view of the
+message, see codec.py) and kept, and the engine copies the pieces straight into the sequence's slot when it
+joins, so this side copies each byte once. That is only fast because the messages land in warm heap pages
+(pdserve/memory.py); left at glibc's defaults, every message got fresh pages and holding them measured 2-4x
+slower than copying them into a warm staging buffer.
+
+On the shared-memory path each chunk is first copied out of the segment into a private staging buffer from a
+warm pool and verified there, while it is in cache, so a writer that keeps writing into the segment after its
+lease ended can never change KV that was already verified.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -54,9 +59,10 @@ class KVReceiver:
         self.state = TransferState.WAITING
         self.layout: KVLayout | None = None
         self._pool = staging
-        self._staging: Buffer | None = None  # the private copy, from the pool
+        self._staging: Buffer | None = None  # shm streams: the private copy, from the pool
         self._bytes: np.ndarray | None = None  # the staging buffer's KV bytes
         self._segment: np.ndarray | None = None  # shm streams: the lent segment's data region
+        self._pieces: list[list[tuple[int, memoryview]]] = []  # gRPC streams: verified chunks per tensor
         # Where the next chunk must start: tensor index (layer * 2 + keys 0 / values 1) and byte offset in it.
         self._tensor, self._offset = 0, 0
         self.bytes_received = 0
@@ -64,7 +70,7 @@ class KVReceiver:
         self.failure: grpc.StatusCode | None = None  # why it failed
 
     def accept_header(self, header: pb.KVHeader, reserved_tokens: int, segment: Buffer | None) -> KVLayout:
-        """Check the header against this worker's model and the reservation; take a staging buffer.
+        """Check the header against this worker's model and the reservation; for shm, take a staging buffer.
 
         `segment` is the shared-memory segment lent to the reservation, if any.
         """
@@ -97,8 +103,10 @@ class KVReceiver:
         if header.shm:
             assert segment is not None
             self._segment = data_region(segment, layout.total_bytes)
-        self._staging = self._pool.acquire(layout.total_bytes)
-        self._bytes = self._staging.array[: layout.total_bytes]
+            self._staging = self._pool.acquire(layout.total_bytes)
+            self._bytes = self._staging.array[: layout.total_bytes]
+        else:
+            self._pieces = [[] for _ in range(2 * layout.num_layers)]
         self.state = TransferState.TRANSFERRING
         return self.layout
 
@@ -134,11 +142,15 @@ class KVReceiver:
             raise self.fail(grpc.StatusCode.INVALID_ARGUMENT,
                             f"layer {chunk.layer} chunk of {size} bytes at offset {chunk.offset} splits a "
                             f"{itemsize}-byte element (chunks hold whole elements)")
-        assert self._bytes is not None
-        start = tensor * layout.tensor_bytes + chunk.offset
-        copy = self._bytes[start : start + size]
-        copy[:] = self._segment[start : start + size] if self._segment is not None else np.frombuffer(data, np.uint8)
-        if checksum(copy) != chunk.checksum:
+        verified: np.ndarray | memoryview | bytes
+        if self._segment is not None and self._bytes is not None:
+            start = tensor * layout.tensor_bytes + chunk.offset
+            verified = self._bytes[start : start + size]
+            verified[:] = self._segment[start : start + size]
+        else:
+            verified = data  # the message itself: immutable, kept as it is
+            self._pieces[tensor].append((chunk.offset, data))
+        if checksum(verified) != chunk.checksum:
             raise self.fail(grpc.StatusCode.DATA_LOSS,
                             f"layer {chunk.layer} chunk at offset {chunk.offset}: checksum mismatch")
         self._offset = chunk.offset + size
@@ -163,20 +175,38 @@ class KVReceiver:
         self.state = TransferState.COMPLETE
         dtype = WIRE_DTYPES[layout.dtype]
         staging, pool = self._staging, self._pool
-        assert staging is not None and self._bytes is not None
-        flat = torch.from_numpy(self._bytes).view(dtype)
-        elements = layout.tensor_bytes // dtype.itemsize
-        pieces = [[(0, flat[i * elements : (i + 1) * elements])] for i in range(2 * layout.num_layers)]
-        self._staging = self._bytes = self._segment = None  # the ReceivedKV owns the staging now
-        return ReceivedKV(pieces=pieces, layout=layout, first_token=trailer.first_token,
-                          release=lambda: pool.release(staging))
+        if staging is not None and self._bytes is not None:
+            flat = torch.from_numpy(self._bytes).view(dtype)
+            elements = layout.tensor_bytes // dtype.itemsize
+            pieces = [[(0, flat[i * elements : (i + 1) * elements])] for i in range(2 * layout.num_layers)]
+            release: Callable[[], None] = lambda: pool.release(staging)  # noqa: E731
+        else:
+            pieces = [[(offset // dtype.itemsize, _elements(data, dtype)) for offset, data in chunks]
+                      for chunks in self._pieces]
+            release = _nothing  # the messages go when the last reference to them does
+        self._staging = self._bytes = self._segment = None  # the ReceivedKV owns the memory now
+        self._pieces = []
+        return ReceivedKV(pieces=pieces, layout=layout, first_token=trailer.first_token, release=release)
 
     def fail(self, code: grpc.StatusCode, message: str) -> KVTransferError:
         """Mark the transfer failed and free the partial KV at once; returns the error to raise."""
         self.state, self.failure = TransferState.FAILED, code
         self._bytes = self._segment = None
+        self._pieces = []
         if self._staging is not None:
             self._pool.release(self._staging)
             self._staging = None
         return KVTransferError(code, message)
 
+
+
+def _elements(data: memoryview, dtype: torch.dtype) -> torch.Tensor:
+    """A received message's bytes as a 1-D tensor, without copying. Nothing ever writes to it, but torch warns
+    about any read-only buffer."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=dtype)
+
+
+def _nothing() -> None:
+    pass

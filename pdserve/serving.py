@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from pdserve import logs, tls, tracing
+from pdserve import logs, memory, tls, tracing
 from pdserve.metrics import Metrics
 from pdserve.tls import TLS
 
@@ -164,6 +164,7 @@ def main(prog: str, description: str | None, config_class: Any, serve_config: Ca
     """The `python -m <service>` entry point: flags -> validated config (errors name the flag) -> serve."""
     config = parse_config(prog, description, config_class, argv)
     logs.configure()
+    memory.keep_heap_warm()
     try:
         run(serve_config(config))
     except RuntimeError as exc:  # start-up refusals (e.g. workers that must not pair): one line, exit 1
