@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -65,7 +66,7 @@ class DecodeConfig:
     kv_shm: bool = True  # lend shared-memory segments, so a prefill worker on this host skips the wire
     prefill_chunk: int = 256  # colocated prompts: most tokens of a long prompt prefilled between two decode steps
     prefill_batch_tokens: int = 256  # colocated short prompts share a pass within this many padded tokens
-    buffer_keep_mb: float = 1024  # idle transfer buffers kept warm, per kind (staging, segments)
+    buffer_keep_mb: float = 1024  # idle shared-memory segments kept warm for the next reservations
     kv_warm_mb: float = 1024  # KV cache memory committed at startup, spread evenly over the slots
     kv_port: int = -1  # TransferKV's own port: -1 = the main port; 0 = a free one
 
@@ -118,7 +119,7 @@ class DecodeConfig:
                            help="colocated short prompts share one pass while the padded batch holds at most this "
                            "many tokens (default: %(default)s)")
         group.add_argument("--kv-buffer-keep-mb", type=float, default=1024, dest="buffer_keep_mb",
-                           help="idle KV transfer buffers kept warm, per kind (default: %(default)s)")
+                           help="idle shared-memory KV segments kept warm for later requests (default: %(default)s)")
         group.add_argument("--kv-port", type=int, default=-1,
                            help="serve TransferKV (the KV stream from prefill) on this port of its own, so a network "
                            "policy can open it to prefill workers only; 0 picks a free one; -1 serves it on --port "
@@ -142,8 +143,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         warm = min(int(config.kv_warm_mb * (1 << 20)), budget)
         self.engine.cache.commit(min(spec.max_model_len, warm // (config.max_seqs * spec.kv_bytes_per_token)))
         keep = int(config.buffer_keep_mb * (1 << 20))
-        self.staging = BufferPool(shared=False, keep_bytes=keep)
-        self.segments = BufferPool(shared=True, keep_bytes=keep) if config.kv_shm and buffers.SHM_DIR.is_dir() else None
+        self.segments = BufferPool(keep_bytes=keep) if config.kv_shm and buffers.SHM_DIR.is_dir() else None
         self.metrics = Metrics(
             gauges={
                 "pdserve_live_reservations": ("reservations waiting for or receiving KV",
@@ -226,7 +226,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             if reservation.sequence is not None:
                 self.engine.abort(reservation.sequence)
                 self._record(reservation.sequence, colocated=bool(params.prompt))
-            self._take_segment_back(reservation)
+            self._retire_segment(reservation)  # admitted KV took its segment already
             self.table.release(reservation)
             if reservation.transfer is not None and not reservation.transfer.done():
                 reservation.transfer.cancel()  # a KV stream still arriving for a request nobody waits for
@@ -246,7 +246,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                            {"pdserve.step": number, "pdserve.batch_size": batch})
 
     def _buffer_bytes(self) -> int:
-        return self.staging.held_bytes + (self.segments.held_bytes if self.segments else 0)
+        return self.segments.held_bytes if self.segments else 0
 
     async def _lend_segment(self, reservation: Reservation) -> None:
         if self.segments is None:
@@ -270,12 +270,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         buffers.stamp(segment, reservation.token)
         reservation.segment = segment
 
-    def _take_segment_back(self, reservation: Reservation) -> None:
-        """Unstamp (a writer checks the stamp between layers) and return the segment to the pool."""
+    def _take_segment_back(self, reservation: Reservation) -> Buffer | None:
+        """Unstamp the reservation's segment (a writer checks the stamp between layers) and hand it over."""
         segment, reservation.segment = reservation.segment, None
-        if segment is not None and self.segments is not None:
+        if segment is not None:
             buffers.stamp(segment, None)
-            self.segments.release(segment)
+        return segment
+
+    def _retire_segment(self, reservation: Reservation) -> None:
+        """A reservation ended without its KV admitted: a prefill worker may still be writing into its segment
+        (stopped, or between two stamp checks), so the segment is removed, never lent again."""
+        segment = self._take_segment_back(reservation)
+        if segment is not None and self.segments is not None:
+            self.segments.discard(segment)
 
     async def _relay(
         self, reservation: Reservation, context: grpc.aio.ServicerContext
@@ -313,7 +320,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self, request_iterator: AsyncIterator[codec.Received], context: grpc.aio.ServicerContext
     ) -> kv_transfer_pb2.KVTransferAck:
         await require_peer(context, "prefill", "TransferKV")
-        receiver = KVReceiver(self.spec, self.config.max_chunk_bytes, self.staging)
+        receiver = KVReceiver(self.spec, self.config.max_chunk_bytes)
         span = _Spans()
         started = time.perf_counter()
         try:
@@ -399,13 +406,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         await context.abort(code, message)
 
     def _admit(self, reservation: Reservation, received: ReceivedKV) -> None:
-        self._take_segment_back(reservation)  # the KV is in private staging now
         if reservation.phase is not Phase.TRANSFERRING:  # released while the last chunk was checked
-            received.release()
-            return
+            return  # (and its segment retired)
+        segment, pool = self._take_segment_back(reservation), self.segments
+        release: Callable[[], None] = _nothing  # gRPC: the messages go with the last reference to them
+        if segment is not None and pool is not None:
+            if received.in_segment:  # the KV is read from the segment until it joins; the writer is done
+                release = functools.partial(pool.release, segment)
+            else:  # lent but not written: the KV came over gRPC
+                pool.release(segment)
         reservation.phase = Phase.ADMITTED
         reservation.sequence = self._sequence(reservation, tokens=[received.first_token])
-        self.engine.submit(reservation.sequence, received.pieces, received.release)
+        self.engine.submit(reservation.sequence, received.pieces, release)
 
     def _sequence(self, reservation: Reservation, tokens: list[int]) -> Sequence:
         """The engine's view of a reservation; its tokens stream back through the reservation's events."""
@@ -495,6 +507,10 @@ class _Spans:
             self.span.end()
 
 
+def _nothing() -> None:
+    pass
+
+
 def _loop_time(monotonic_deadline: float) -> float:
     """Convert a time.monotonic() deadline to the event loop's clock."""
     return asyncio.get_running_loop().time() + (monotonic_deadline - time.monotonic())
@@ -538,7 +554,6 @@ async def serve(config: DecodeConfig) -> None:
 
     async def shutdown() -> None:
         await asyncio.to_thread(servicer.engine.stop)
-        servicer.staging.close()
         if servicer.segments is not None:
             servicer.segments.close()
 

@@ -1,4 +1,4 @@
-"""Reusable KV byte buffers: private staging memory, and named shared-memory segments for the same-host path.
+"""Reusable KV byte buffers: the named shared-memory segments of the same-host path.
 
 Fresh pages cost more than the copy itself (a first write to new memory runs at ~1.5 GB/s on the reference
 machine, a write to warm memory at ~18 GB/s), so every buffer a transfer lands in comes from a pool, sized in
@@ -6,7 +6,8 @@ power-of-two classes and kept warm between requests.
 
 Shared-memory segments live in /dev/shm as `pdserve-kv-<owner pid>-<random>`. The decode worker creates and
 owns them: it lends one to a reservation, prefill (on the same host) writes the KV into it, and the
-reservation's release takes it back, whatever ended the request. A segment's first page is a stamp: the
+KV is read from it until it joins the batch. A segment whose request ended any other way is retired (a
+writer may still hold it), never lent again. A segment's first page is a stamp: the
 hash of the reservation token it is lent to, so prefill writes only into the segment lent to its own
 request, and notices (between layers) when the lease was taken back. Segments of a process that was killed
 stay in /dev/shm until the next decode worker starts and removes every segment whose owner is gone.
@@ -46,52 +47,47 @@ def stamp_of(reservation_token: str) -> bytes:
 
 
 class Buffer:
-    """A byte buffer backed by its own mapping: anonymous (private to this process) or a named segment."""
+    """A named shared-memory segment in /dev/shm, mapped."""
 
-    def __init__(self, size: int, name: str | None = None) -> None:
+    def __init__(self, size: int, name: str) -> None:
         self.size, self.name = size, name
-        if name is None:
-            self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_POPULATE)
-        else:
-            fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                # Allocate the tmpfs pages now: a full /dev/shm fails here, not as SIGBUS in a writer later.
-                os.posix_fallocate(fd, 0, size)
-                self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-            except BaseException:
-                os.unlink(SHM_DIR / name)
-                raise
-            finally:
-                os.close(fd)
+        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            # Allocate the tmpfs pages now: a full /dev/shm fails here, not as SIGBUS in a writer later.
+            os.posix_fallocate(fd, 0, size)
+            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        except BaseException:
+            os.unlink(SHM_DIR / name)
+            raise
+        finally:
+            os.close(fd)
         self.array = np.frombuffer(self._map, dtype=np.uint8)
 
     def close(self) -> None:
-        """Unmap (once no view is left) and, for a segment, remove its name."""
+        """Unmap (once no view is left) and remove the name."""
         self.array = np.empty(0, dtype=np.uint8)
         try:
             self._map.close()
         except BufferError:  # a view still exists; the mapping goes when it does
             pass
-        if self.name is not None:
-            _unlink(self.name)
+        _unlink(self.name)
 
 
 class BufferPool:
     """Lends buffers of at least the requested size and keeps returned ones warm, up to `keep_bytes` idle.
 
-    Thread-safe: the decode engine returns staging buffers from its own thread.
+    Thread-safe: the decode engine returns segments from its own thread, once their KV joined the batch.
     """
 
-    def __init__(self, shared: bool, keep_bytes: int) -> None:
-        self.shared, self.keep_bytes = shared, keep_bytes
+    def __init__(self, keep_bytes: int) -> None:
+        self.keep_bytes = keep_bytes
         self._idle: list[Buffer] = []
         self._lock = threading.Lock()
         self.held_bytes = 0
-        if shared:  # a normal exit removes the names even if nobody called close()
-            atexit.register(self.close)
+        atexit.register(self.close)  # a normal exit removes the names even if nobody called close()
 
     def acquire(self, nbytes: int) -> Buffer:
-        size = size_class(nbytes + (STAMP_BYTES if self.shared else 0))
+        size = size_class(nbytes + STAMP_BYTES)
         with self._lock:
             fitting = [b for b in self._idle if b.size >= size]
             if fitting:
@@ -99,8 +95,7 @@ class BufferPool:
                 self._idle.remove(buffer)
                 self.held_bytes += buffer.size
                 return buffer
-        name = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}" if self.shared else None
-        buffer = Buffer(size, name)  # outside the lock: populating pages takes a while
+        buffer = Buffer(size, f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")  # outside the lock: populating pages takes a while
         with self._lock:
             self.held_bytes += buffer.size
         return buffer
@@ -115,6 +110,12 @@ class BufferPool:
                 evicted.append(self._idle.pop())  # the largest goes first
         for old in evicted:
             old.close()
+
+    def discard(self, buffer: Buffer) -> None:
+        """Take a held buffer out of service for good: unmapped here (once no view is left) and its name removed."""
+        with self._lock:
+            self.held_bytes -= buffer.size
+        buffer.close()
 
     @property
     def idle_bytes(self) -> int:

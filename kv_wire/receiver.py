@@ -3,28 +3,27 @@
 Nothing is handed on until the trailer proved the stream whole: every tensor covered exactly once, in order,
 every checksum right, the totals equal. Any violation raises KVTransferError with the status that names it.
 
-On the gRPC path the received messages are the KV: each chunk is verified where it landed (a view of the
-message, see codec.py) and kept, and the engine copies the pieces straight into the sequence's slot when it
-joins, so this side copies each byte once. That is only fast because the messages land in warm heap pages
-(pdserve/memory.py); left at glibc's defaults, every message got fresh pages and holding them measured 2-4x
-slower than copying them into a warm staging buffer.
-
-On the shared-memory path each chunk is first copied out of the segment into a private staging buffer from a
-warm pool and verified there, while it is in cache, so a writer that keeps writing into the segment after its
-lease ended can never change KV that was already verified.
+The received bytes are the KV, verified where they landed and never copied on this side: the engine copies
+them straight into the sequence's slot when it joins.
+- gRPC: each chunk is a view of its message (see codec.py), kept. That is only fast because the messages land
+  in warm heap pages (pdserve/memory.py); left at glibc's defaults, every message got fresh pages and holding
+  them measured 2-4x slower than copying them into a warm staging buffer.
+- Shared memory: each chunk is verified in the lent segment, which stays lent until the join. Verified bytes
+  can only change if a writer writes after its trailer, which pdserve's sender never does; a segment whose
+  transfer did not end in an admitted KV may still have a writer, so decode retires it instead of lending it
+  again (decode_service/server.py).
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 import numpy as np
 import torch
 
-from kv_wire.buffers import Buffer, BufferPool, data_region
+from kv_wire.buffers import Buffer, data_region
 from kv_wire.codec import Chunk
 from kv_wire.layout import LOSSY_WIRE_DTYPES, WIRE_DTYPES, KVLayout, KVTransferError, TransferState, checksum
 from model_runner.kv_cache import KVPieces
@@ -39,7 +38,7 @@ class ReceivedKV:
     pieces: KVPieces  # every tensor's verified elements, in the wire dtype
     layout: KVLayout
     first_token: int
-    release: Callable[[], None]  # gives the memory back once the KV was copied where it lives next
+    in_segment: bool  # the pieces are views of the lent shared-memory segment (else of the received messages)
 
     @property
     def nbytes(self) -> int:
@@ -53,14 +52,11 @@ class ReceivedKV:
 
 
 class KVReceiver:
-    def __init__(self, spec: ModelSpec, max_chunk_bytes: int, staging: BufferPool) -> None:
+    def __init__(self, spec: ModelSpec, max_chunk_bytes: int) -> None:
         self.spec = spec
         self.max_chunk_bytes = max_chunk_bytes
         self.state = TransferState.WAITING
         self.layout: KVLayout | None = None
-        self._pool = staging
-        self._staging: Buffer | None = None  # shm streams: the private copy, from the pool
-        self._bytes: np.ndarray | None = None  # the staging buffer's KV bytes
         self._segment: np.ndarray | None = None  # shm streams: the lent segment's data region
         self._pieces: list[list[tuple[int, memoryview]]] = []  # gRPC streams: verified chunks per tensor
         # Where the next chunk must start: tensor index (layer * 2 + keys 0 / values 1) and byte offset in it.
@@ -70,7 +66,7 @@ class KVReceiver:
         self.failure: grpc.StatusCode | None = None  # why it failed
 
     def accept_header(self, header: pb.KVHeader, reserved_tokens: int, segment: Buffer | None) -> KVLayout:
-        """Check the header against this worker's model and the reservation; for shm, take a staging buffer.
+        """Check the header against this worker's model and the reservation.
 
         `segment` is the shared-memory segment lent to the reservation, if any.
         """
@@ -103,8 +99,6 @@ class KVReceiver:
         if header.shm:
             assert segment is not None
             self._segment = data_region(segment, layout.total_bytes)
-            self._staging = self._pool.acquire(layout.total_bytes)
-            self._bytes = self._staging.array[: layout.total_bytes]
         else:
             self._pieces = [[] for _ in range(2 * layout.num_layers)]
         self.state = TransferState.TRANSFERRING
@@ -142,11 +136,10 @@ class KVReceiver:
             raise self.fail(grpc.StatusCode.INVALID_ARGUMENT,
                             f"layer {chunk.layer} chunk of {size} bytes at offset {chunk.offset} splits a "
                             f"{itemsize}-byte element (chunks hold whole elements)")
-        verified: np.ndarray | memoryview | bytes
-        if self._segment is not None and self._bytes is not None:
+        verified: np.ndarray | memoryview
+        if self._segment is not None:
             start = tensor * layout.tensor_bytes + chunk.offset
-            verified = self._bytes[start : start + size]
-            verified[:] = self._segment[start : start + size]
+            verified = self._segment[start : start + size]
         else:
             verified = data  # the message itself: immutable, kept as it is
             self._pieces[tensor].append((chunk.offset, data))
@@ -174,28 +167,21 @@ class KVReceiver:
                              f"trailer.first_token {trailer.first_token} is outside the vocabulary")
         self.state = TransferState.COMPLETE
         dtype = WIRE_DTYPES[layout.dtype]
-        staging, pool = self._staging, self._pool
-        if staging is not None and self._bytes is not None:
-            flat = torch.from_numpy(self._bytes).view(dtype)
+        header_shm = self._segment is not None
+        if self._segment is not None:
+            flat = torch.from_numpy(self._segment).view(dtype)
             elements = layout.tensor_bytes // dtype.itemsize
             pieces = [[(0, flat[i * elements : (i + 1) * elements])] for i in range(2 * layout.num_layers)]
-            release: Callable[[], None] = lambda: pool.release(staging)  # noqa: E731
         else:
             pieces = [[(offset // dtype.itemsize, _elements(data, dtype)) for offset, data in chunks]
                       for chunks in self._pieces]
-            release = _nothing  # the messages go when the last reference to them does
-        self._staging = self._bytes = self._segment = None  # the ReceivedKV owns the memory now
-        self._pieces = []
-        return ReceivedKV(pieces=pieces, layout=layout, first_token=trailer.first_token, release=release)
+        self._segment, self._pieces = None, []
+        return ReceivedKV(pieces=pieces, layout=layout, first_token=trailer.first_token, in_segment=header_shm)
 
     def fail(self, code: grpc.StatusCode, message: str) -> KVTransferError:
         """Mark the transfer failed and free the partial KV at once; returns the error to raise."""
         self.state, self.failure = TransferState.FAILED, code
-        self._bytes = self._segment = None
-        self._pieces = []
-        if self._staging is not None:
-            self._pool.release(self._staging)
-            self._staging = None
+        self._segment, self._pieces = None, []
         return KVTransferError(code, message)
 
 
@@ -206,7 +192,3 @@ def _elements(data: memoryview, dtype: torch.dtype) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(data, dtype=dtype)
-
-
-def _nothing() -> None:
-    pass

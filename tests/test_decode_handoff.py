@@ -11,7 +11,8 @@ import grpc
 import pytest
 import torch
 
-from kv_wire import codec
+from kv_wire import buffers, codec
+from kv_wire.buffers import SegmentMaps
 from kv_wire.layout import KVLayout
 from kv_wire.sender import KVSender
 from pdserve.client import generate
@@ -46,6 +47,22 @@ def _kv_stream(stub, request_id: str, token: str, fingerprint: str | None = None
         chunks = sender.layer(layer, torch.randn(shape), torch.randn(shape))
         messages += map(kv_transfer_pb2.KVTransfer.FromString, chunks)
     return messages + [sender.trailer(first_token=42)]
+
+
+def _shm_kv_stream(stub, request_id: str, token: str, segment: str, layers: int | None = None):
+    """As prefill on this host sends it: KV written into the lent segment, descriptors on the wire. With `layers`,
+    only that many layers are written, and the stream stops there (a writer that never finished)."""
+    model = stub.GetInfo(worker_pb2.WorkerInfoRequest()).model
+    layout = KVLayout(model.num_layers, model.num_kv_heads, model.head_dim, PROMPT_TOKENS, model.dtype)
+    lent = SegmentMaps().open(segment, token, layout.total_bytes)
+    assert lent is not None, "the reservation's segment opens from this process"
+    sender = KVSender(request_id, token, model.fingerprint, layout, chunk_bytes=256, segment=lent)
+    messages = [sender.header()]
+    for layer in range(model.num_layers if layers is None else layers):
+        shape = (model.num_kv_heads, PROMPT_TOKENS, model.head_dim)
+        messages += map(kv_transfer_pb2.KVTransfer.FromString, sender.layer(layer, torch.randn(shape),
+                                                                             torch.randn(shape)))
+    return messages + ([sender.trailer(first_token=42)] if layers is None else []), lent
 
 
 def _refused(call_kv, messages) -> grpc.StatusCode:
@@ -200,4 +217,36 @@ def test_a_request_cancelled_while_its_segment_is_being_made_gets_it_back(tiny_m
         assert pool.held_bytes == 0
     finally:
         pool.close()
-        servicer.staging.close()
+
+
+def test_admitted_kv_gives_its_segment_back_and_an_unfinished_writer_retires_its_segment(decode) -> None:
+    def reserve(request_id: str):
+        call = decode.Generate(decode_pb2.DecodeRequest(request_id=request_id, prompt_tokens=PROMPT_TOKENS,
+                                                        max_tokens=2, sampling=GREEDY), timeout=30)
+        reserved = next(call).reserved
+        assert reserved.shm_segment, "a decode worker on this host lends a segment"
+        return call, reserved
+
+    # KV admitted from shared memory: read from the segment until it joined, then lent to the next request.
+    call, reserved = reserve("segment-admitted")
+    messages, _ = _shm_kv_stream(decode, "segment-admitted", reserved.token, reserved.shm_segment)
+    decode.TransferKV(iter(messages), timeout=30)
+    assert len([t for e in call for t in e.tokens.token_ids]) == 1  # max_tokens 2: the first came with the KV
+    call, again = reserve("segment-reused")
+    assert again.shm_segment == reserved.shm_segment
+
+    # A writer that wrote a layer and never finished: the request ends, and its segment is never lent again.
+    _, lent = _shm_kv_stream(decode, "segment-reused", again.token, again.shm_segment, layers=1)
+    call.cancel()
+    path = buffers.SHM_DIR / again.shm_segment
+    deadline = time.monotonic() + 10
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not path.exists(), "the unfinished transfer's segment was retired"
+    assert not lent.still_lent()  # and the writer, between layers, sees it was taken back
+    lent.data[:] = 0xFF  # the late writer's bytes land where nobody reads them
+    call, fresh = reserve("after-the-retirement")
+    assert fresh.shm_segment != again.shm_segment
+    messages, _ = _shm_kv_stream(decode, "after-the-retirement", fresh.token, fresh.shm_segment)
+    decode.TransferKV(iter(messages), timeout=30)
+    assert len([t for e in call for t in e.tokens.token_ids]) == 1  # max_tokens 2: the first came with the KV

@@ -93,7 +93,7 @@ def test_segments_of_a_killed_decode_worker_are_removed_when_the_next_one_starts
             _, token = _reserve(decode_pb2_grpc.DecodeStub(channel), "orphaned")
             segments = sorted(buffers.SHM_DIR.glob(f"{buffers.SEGMENT_PREFIX}{cluster.decode[0].process.pid}-*"))
             assert segments, "the reservation lent a segment"
-        _killed(cluster.decode[0].process)
+            _killed(cluster.decode[0].process)  # with the reservation live: nothing ended it
         assert all(s.exists() for s in segments)  # a SIGKILLed owner cannot clean up
 
         successor = _spawn("decode", "decode_service", ["--host", "127.0.0.1", "--port", "0", "--threads", "1",

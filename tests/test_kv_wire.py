@@ -21,8 +21,7 @@ from model_runner.kv_cache import SlotKVCache
 from model_runner.loading import ModelSpec
 from protos import kv_transfer_pb2 as pb
 
-STAGING = BufferPool(shared=False, keep_bytes=64 << 20)
-SEGMENTS = BufferPool(shared=True, keep_bytes=64 << 20)
+SEGMENTS = BufferPool(keep_bytes=64 << 20)
 TRANSPORTS = ["grpc", "shm"]
 
 
@@ -69,7 +68,7 @@ def _random_kv(spec: ModelSpec, tokens: int) -> list[tuple[torch.Tensor, torch.T
 def _decode(spec: ModelSpec, messages: list[pb.KVTransfer], tokens: int, segment: Buffer | None = None,
             max_chunk: int = 1 << 22):
     """Receive as decode does: each message serialised, then decoded by the wire codec (chunks as views)."""
-    receiver = KVReceiver(spec, max_chunk, STAGING)
+    receiver = KVReceiver(spec, max_chunk)
     receiver.accept_header(messages[0].header, tokens, segment)
     for message in messages[1:-1]:
         chunk = codec.decode(message.SerializeToString())
@@ -99,21 +98,23 @@ def test_round_trip_is_bit_exact(
         else:  # only descriptors on the wire, one per tensor
             assert all(not m.chunk.data for m in messages[1:-1]) and len(sizes) == 2 * layers
         receiver, received = _decode(spec, messages, tokens, segment)
-        if transport == "grpc":  # the messages are the KV: one piece per chunk, nothing staged
-            assert sum(map(len, received.pieces)) == len(messages) - 2 and STAGING.held_bytes == 0
-    assert receiver.state is TransferState.COMPLETE
-    assert received.first_token == 7 and received.nbytes == nbytes
-    for (k, v), (k2, v2) in zip(kv, received.layers()):
-        assert torch.equal(k.view(torch.uint8), k2.contiguous().view(torch.uint8))
-        assert torch.equal(v.view(torch.uint8), v2.contiguous().view(torch.uint8))
-    # The engine's join copies the pieces (wherever chunks cut the heads) straight into a slot.
-    cache = SlotKVCache(layers, 2, heads, tokens + 3, head_dim, WIRE_DTYPES[dtype], torch.device("cpu"))
-    cache.load(1, received.pieces, tokens)
-    for layer, (k, v) in zip(cache.slot_layers, kv):
-        assert torch.equal(layer.keys[1, :, :tokens], k) and torch.equal(layer.values[1, :, :tokens], v)
-        assert not layer.keys[0].any() and not layer.keys[1, :, tokens:].any()  # nothing written elsewhere
-    received.release()
-    assert STAGING.held_bytes == 0
+        # Nothing copied on this side: the pieces are the received messages (one per chunk), or the segment.
+        assert received.in_segment == (transport == "shm")
+        if transport == "grpc":
+            assert sum(map(len, received.pieces)) == len(messages) - 2
+        else:
+            assert received.pieces[0][0][1].data_ptr() == buffers.data_region(segment, nbytes).ctypes.data
+        assert receiver.state is TransferState.COMPLETE
+        assert received.first_token == 7 and received.nbytes == nbytes
+        for (k, v), (k2, v2) in zip(kv, received.layers()):
+            assert torch.equal(k.view(torch.uint8), k2.contiguous().view(torch.uint8))
+            assert torch.equal(v.view(torch.uint8), v2.contiguous().view(torch.uint8))
+        # The engine's join (the segment still lent) copies the pieces, wherever chunks cut the heads, into a slot.
+        cache = SlotKVCache(layers, 2, heads, tokens + 3, head_dim, WIRE_DTYPES[dtype], torch.device("cpu"))
+        cache.load(1, received.pieces, tokens)
+        for layer, (k, v) in zip(cache.slot_layers, kv):
+            assert torch.equal(layer.keys[1, :, :tokens], k) and torch.equal(layer.values[1, :, :tokens], v)
+            assert not layer.keys[0].any() and not layer.keys[1, :, tokens:].any()  # nothing written elsewhere
 
 
 SPEC = _spec(2, 2, 8, "float32")
@@ -201,9 +202,9 @@ def _mixed(messages: list[pb.KVTransfer], segment: Buffer | None) -> list[pb.KVT
     (_mixed, grpc.StatusCode.INVALID_ARGUMENT),
     (_split_element, grpc.StatusCode.INVALID_ARGUMENT),
 ])
-def test_damaged_stream_is_refused_with_its_status_and_buffer_dropped(damage, code: grpc.StatusCode,
+def test_damaged_stream_is_refused_with_its_status(damage, code: grpc.StatusCode,
                                                                       transport: str) -> None:
-    receiver = KVReceiver(SPEC, 1 << 20, STAGING)
+    receiver = KVReceiver(SPEC, 1 << 20)
     with _segment(transport, 2 * SPEC.num_layers * _TENSOR) as segment:
         messages = damage(_good(segment), segment)
         with pytest.raises(KVTransferError) as refused:
@@ -212,14 +213,14 @@ def test_damaged_stream_is_refused_with_its_status_and_buffer_dropped(damage, co
                 receiver.accept_chunk(codec.decode(message.SerializeToString()))  # type: ignore[arg-type]
             receiver.finish(messages[-1].trailer)
     assert refused.value.code == code
-    assert receiver.state is TransferState.FAILED and STAGING.held_bytes == 0
+    assert receiver.state is TransferState.FAILED
 
 
 def test_shm_header_without_a_lent_segment_is_refused() -> None:
     with _segment("shm", 2 * SPEC.num_layers * _TENSOR) as segment:
         header = _good(segment)[0].header
     with pytest.raises(KVTransferError) as refused:
-        KVReceiver(SPEC, 1 << 20, STAGING).accept_header(header, TOKENS, None)
+        KVReceiver(SPEC, 1 << 20).accept_header(header, TOKENS, None)
     assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
@@ -255,7 +256,7 @@ def test_segments_of_dead_owners_are_removed_and_live_ones_kept() -> None:
 
 
 def test_pool_reuses_warm_buffers_and_bounds_what_it_keeps() -> None:
-    pool = BufferPool(shared=True, keep_bytes=4 << 20)
+    pool = BufferPool(keep_bytes=4 << 20)
     first = pool.acquire(3 << 20)
     assert first.size == 4 << 20 and pool.held_bytes == 4 << 20
     pool.release(first)
@@ -280,7 +281,7 @@ def test_mismatched_header_is_refused(field: str, value: object, code: grpc.Stat
     header = _good()[0].header
     setattr(header, field, value)
     with pytest.raises(KVTransferError) as refused:
-        KVReceiver(SPEC, 1 << 20, STAGING).accept_header(header, TOKENS, None)
+        KVReceiver(SPEC, 1 << 20).accept_header(header, TOKENS, None)
     assert refused.value.code == code
 
 
@@ -294,16 +295,15 @@ def test_float32_kv_downcast_on_the_wire_is_marked_and_accepted(wire: str, trans
         assert messages[0].header.dtype == wire
         assert messages[-1].trailer.total_bytes == sum(k.nbytes + v.nbytes for k, v in kv) // 2
         _, received = _decode(SPEC, messages, TOKENS, segment)
-    for (k, _), (k2, _) in zip(kv, received.layers()):
-        assert torch.equal(k.to(WIRE_DTYPES[wire]), k2)  # exactly the rounded values; decode casts back on admission
-    received.release()
+        for (k, _), (k2, _) in zip(kv, received.layers()):
+            assert torch.equal(k.to(WIRE_DTYPES[wire]), k2)  # exactly the rounded values; decode casts back on join
 
 
 def test_bfloat16_model_refuses_float16_wire() -> None:
     header = _encode(_spec(2, 2, 8, "bfloat16"), _random_kv(_spec(2, 2, 8, "bfloat16"), TOKENS), TOKENS, 64)[0].header
     header.dtype = "float16"
     with pytest.raises(KVTransferError) as refused:
-        KVReceiver(_spec(2, 2, 8, "bfloat16"), 1 << 20, STAGING).accept_header(header, TOKENS, None)
+        KVReceiver(_spec(2, 2, 8, "bfloat16"), 1 << 20).accept_header(header, TOKENS, None)
     assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
 
 
