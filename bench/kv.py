@@ -3,7 +3,7 @@
 One run, for the KV of 512, 2048 and 8000-token prompts of the default model (8000, not 8192: the context
 must keep room for generated tokens), measures side by side:
 - grpc: the real KV path, bytes in the stream: KVSender -> a real decode worker's TransferKV (validation,
-  checksums, staging), timed from the first message to decode's acknowledgement;
+  checksums), timed from the first message to decode's acknowledgement;
 - shm: the same, with the bytes written into the shared-memory segment the decode worker lent;
 - grpc_ceiling: raw grpcio bytes streaming with the same chunk size into a sink that only counts them: the
   payload's own bytes, cut into chunk-sized bytes objects before the clock starts;
