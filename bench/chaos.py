@@ -28,7 +28,7 @@ from typing import Any
 
 import grpc
 
-from bench.report import publish
+from bench.report import add_output_args, publish
 from bench.scenarios import percentile
 from model_runner.loading import DEFAULT_MODEL, resolve_model
 from pdserve.cluster import Cluster, ClusterConfig, Service, _await_ready, _spawn, start, stop_all, wait_healthy
@@ -47,8 +47,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cancels", type=int, default=500, help="cancel storm requests (default: %(default)s)")
     parser.add_argument("--streams", type=int, default=16, help="streams in the kill and link experiments")
     parser.add_argument("--max-tokens", type=int, default=24, help="tokens per stream (default: %(default)s)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    parser.add_argument("--out", default="bench/results", help="directory for chaos.json")
+    add_output_args(parser, "chaos", plot=False)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from bench.report import publish
+from bench.report import add_output_args, publish
 from model_runner import forward
 from model_runner.kv_cache import SlotKVCache
 from model_runner.loading import DEFAULT_MODEL, LoadedModel, ModelConfig
@@ -31,8 +31,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads, as a decode worker of `pdserve "
                         "cluster` gets on 2 cores (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per dtype (after 3 warm-up steps)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    parser.add_argument("--out", default="bench/results", help="directory for decode.json")
+    add_output_args(parser, "decode", plot=False)
 
 
 def run(args: argparse.Namespace) -> int:

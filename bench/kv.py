@@ -39,7 +39,7 @@ import grpc
 import numpy as np
 import torch
 
-from bench.report import publish
+from bench.report import add_output_args, publish
 from kv_wire import codec
 from kv_wire.buffers import SegmentMaps
 from kv_wire.layout import DEFAULT_CHUNK_BYTES, KVLayout
@@ -73,8 +73,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                         help="torch threads of the prefill workers (default: %(default)s, as `pdserve cluster`)")
     parser.add_argument("--no-exposed", action="store_true", help="skip the (slow) exposed-transfer measurement")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    parser.add_argument("--out", default="bench/results", help="directory for kv.json and kv.png")
+    add_output_args(parser, "kv")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -141,8 +140,9 @@ async def _throughput_case(stub: decode_pb2_grpc.DecodeStub, transfer_kv: grpc.a
     async with grpc.aio.insecure_channel(sink, options=_CHANNEL_OPTIONS) as sink_channel:
         raw_stream = sink_channel.stream_unary(_SINK_METHOD)  # no serializers: bytes go out as they are
         sink_tcp = int.from_bytes(await sink_channel.unary_unary(_SINK_TCP_PORT)(b""), "little")
-        chunks = [payload[offset : offset + args.chunk_bytes].tobytes() for offset in range(0, nbytes, args.chunk_bytes)]
-        hot_chunks = [chunks[0][: len(chunk)] if len(chunk) < len(chunks[0]) else chunks[0] for chunk in chunks]
+        step = args.chunk_bytes
+        chunks = [payload[offset : offset + step].tobytes() for offset in range(0, nbytes, step)]
+        hot_chunks = [chunks[0][: len(chunk)] for chunk in chunks]  # the first chunk again (a full slice is itself)
         measure: dict[str, Callable[[int], Awaitable[float]]] = {
             "memcpy": lambda _: asyncio.to_thread(_timed_sync, lambda: np.copyto(copy_target, payload)),
             "tcp": lambda _: asyncio.to_thread(_tcp_send, sink_tcp, payload),

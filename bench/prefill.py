@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from bench.report import publish
+from bench.report import add_output_args, publish
 from model_runner.forward import prefill_pass
 from model_runner.loading import DEFAULT_MODEL, LoadedModel, ModelConfig
 
@@ -33,8 +33,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads, as a prefill worker of `pdserve "
                         "cluster` gets on 2 cores (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="best of this many runs per measurement")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    parser.add_argument("--out", default="bench/results", help="directory for prefill.json and prefill.png")
+    add_output_args(parser, "prefill")
 
 
 def run(args: argparse.Namespace) -> int:

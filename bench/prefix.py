@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.report import publish
+from bench.report import add_output_args, publish
 from bench.scenarios import percentile
 from model_runner.loading import DEFAULT_MODEL, resolve_model
 from pdserve.client import generate
@@ -39,8 +39,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--conversations", type=int, default=3, help="multi-turn conversations (default: %(default)s)")
     parser.add_argument("--turns", type=int, default=4, help="turns per conversation (default: %(default)s)")
     parser.add_argument("--reply", type=int, default=32, help="tokens generated per turn (default: %(default)s)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    parser.add_argument("--out", default="bench/results", help="directory for prefix.json and prefix.png")
+    add_output_args(parser, "prefix")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,6 +9,13 @@ from pathlib import Path
 from typing import Any
 
 
+def add_output_args(parser: argparse.ArgumentParser, name: str, plot: bool = True) -> None:
+    """The two flags `publish` reads: --json, and --out (where `<name>.json`, and the plot, are written)."""
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    files = f"{name}.json and {name}.png" if plot else f"{name}.json"
+    parser.add_argument("--out", default="bench/results", help=f"directory for {files}")
+
+
 def publish(args: argparse.Namespace, name: str, result: Any, table: Callable[[], str],
             plot: Callable[[Path], None] | None = None, document: Any = None) -> int:
     """Write `document` (default: `result`) to `<out>/<name>.json` and the plot to `<out>/<name>.png`; print

@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from bench.report import publish
+from bench.report import add_output_args, publish
 from model_runner.loading import DEFAULT_MODEL, resolve_model
 from pdserve.cluster import Cluster, ClusterConfig, start
 from protos import gateway_pb2, gateway_pb2_grpc
@@ -94,8 +94,7 @@ def add_mode_args(parser: argparse.ArgumentParser, results: str) -> None:
                         "(conditional disaggregation; default: %(default)s, never)")
     parser.add_argument("--modes", default=",".join(MODES), type=_modes,
                         help="which modes to run, e.g. colocated when tuning the baseline (default: both)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    parser.add_argument("--out", default="bench/results", help=f"directory for {results}.json and .png")
+    add_output_args(parser, results)
 
 
 def _modes(value: str) -> list[str]:

@@ -95,7 +95,8 @@ class BufferPool:
                 self._idle.remove(buffer)
                 self.held_bytes += buffer.size
                 return buffer
-        buffer = Buffer(size, f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")  # outside the lock: populating pages takes a while
+        name = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        buffer = Buffer(size, name)  # outside the lock: populating pages takes a while
         with self._lock:
             self.held_bytes += buffer.size
         return buffer

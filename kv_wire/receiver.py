@@ -58,7 +58,7 @@ class KVReceiver:
         self.state = TransferState.WAITING
         self.layout: KVLayout | None = None
         self._segment: np.ndarray | None = None  # shm streams: the lent segment's data region
-        self._pieces: list[list[tuple[int, memoryview]]] = []  # gRPC streams: verified chunks per tensor
+        self._pieces: list[list[tuple[int, bytes | memoryview]]] = []  # gRPC streams: verified chunks per tensor
         # Where the next chunk must start: tensor index (layer * 2 + keys 0 / values 1) and byte offset in it.
         self._tensor, self._offset = 0, 0
         self.bytes_received = 0
@@ -136,7 +136,7 @@ class KVReceiver:
             raise self.fail(grpc.StatusCode.INVALID_ARGUMENT,
                             f"layer {chunk.layer} chunk of {size} bytes at offset {chunk.offset} splits a "
                             f"{itemsize}-byte element (chunks hold whole elements)")
-        verified: np.ndarray | memoryview
+        verified: np.ndarray | bytes | memoryview
         if self._segment is not None:
             start = tensor * layout.tensor_bytes + chunk.offset
             verified = self._segment[start : start + size]
@@ -167,7 +167,7 @@ class KVReceiver:
                              f"trailer.first_token {trailer.first_token} is outside the vocabulary")
         self.state = TransferState.COMPLETE
         dtype = WIRE_DTYPES[layout.dtype]
-        header_shm = self._segment is not None
+        in_segment = self._segment is not None
         if self._segment is not None:
             flat = torch.from_numpy(self._segment).view(dtype)
             elements = layout.tensor_bytes // dtype.itemsize
@@ -176,7 +176,7 @@ class KVReceiver:
             pieces = [[(offset // dtype.itemsize, _elements(data, dtype)) for offset, data in chunks]
                       for chunks in self._pieces]
         self._segment, self._pieces = None, []
-        return ReceivedKV(pieces=pieces, layout=layout, first_token=trailer.first_token, in_segment=header_shm)
+        return ReceivedKV(pieces=pieces, layout=layout, first_token=trailer.first_token, in_segment=in_segment)
 
     def fail(self, code: grpc.StatusCode, message: str) -> KVTransferError:
         """Mark the transfer failed and free the partial KV at once; returns the error to raise."""
@@ -185,8 +185,7 @@ class KVReceiver:
         return KVTransferError(code, message)
 
 
-
-def _elements(data: memoryview, dtype: torch.dtype) -> torch.Tensor:
+def _elements(data: bytes | memoryview, dtype: torch.dtype) -> torch.Tensor:
     """A received message's bytes as a 1-D tensor, without copying. Nothing ever writes to it, but torch warns
     about any read-only buffer."""
     with warnings.catch_warnings():
