@@ -38,6 +38,7 @@ from typing import Any
 import grpc
 import numpy as np
 import torch
+import uvloop
 
 from bench.report import add_output_args, publish
 from kv_wire import codec
@@ -80,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
     tokens = [int(t) for t in args.tokens.split(",")]
     memory.keep_heap_warm()  # as every pdserve process does; the sink process too (ceilings get the same heap)
     model_dir = resolve_model(args.model)
-    result = asyncio.run(_bench(args, model_dir, tokens))
+    # The sending side runs on uvloop, as every pdserve process does (serving.main): grpc.aio's per-message cost
+    # is the event loop's, and the real paths and the ceilings they are held against share this loop.
+    result = uvloop.run(_bench(args, model_dir, tokens))
     return publish(args, "kv", result, lambda: _table(result), lambda path: _plot(result, path))
 
 
@@ -355,8 +358,6 @@ def _plot(result: dict[str, Any], path: Path) -> None:
 
 def _sink() -> None:
     """Counts raw gRPC bytes and TCP bytes; prints one JSON line with its gRPC address, like a pdserve worker."""
-    import uvloop
-
     memory.keep_heap_warm()
     listener = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_tcp_sink, args=(listener,), daemon=True).start()

@@ -58,3 +58,22 @@ class KVLayout:
 def checksum(data: bytes | memoryview | np.ndarray) -> int:
     """XXH3-64 of bytes, a memoryview or a uint8 array, read in place (no copy)."""
     return xxhash.xxh3_64_intdigest(data.data if isinstance(data, np.ndarray) else data)
+
+
+# A quarter of the reference machine's 1 MiB L2: each block is hashed while the copy left it in cache.
+_COPY_BLOCK_BYTES = 256 << 10
+
+
+def copy_with_checksum(target: np.ndarray, source: np.ndarray) -> int:
+    """Copy uint8 `source` into `target` of the same size; returns checksum(target).
+
+    Copying then hashing the whole reads every byte from memory twice; block by block the hash reads what
+    the copy just wrote from cache. For 94 MB on the reference machine: copy 4.7 ms, copy then hash 6.5 ms,
+    block by block 5.5 ms.
+    """
+    digest = xxhash.xxh3_64()
+    for start in range(0, len(source), _COPY_BLOCK_BYTES):
+        block = target[start : start + _COPY_BLOCK_BYTES]
+        np.copyto(block, source[start : start + _COPY_BLOCK_BYTES])
+        digest.update(block.data)
+    return digest.intdigest()

@@ -10,7 +10,7 @@ import torch
 
 from kv_wire import codec
 from kv_wire.buffers import LentSegment
-from kv_wire.layout import WIRE_DTYPES, KVLayout, KVTransferError, TransferState, checksum
+from kv_wire.layout import WIRE_DTYPES, KVLayout, KVTransferError, TransferState, checksum, copy_with_checksum
 from protos import kv_transfer_pb2 as pb
 
 _KINDS = (pb.KV_KIND_KEYS, pb.KV_KIND_VALUES)
@@ -76,8 +76,8 @@ class KVSender:
                     messages.append(codec.encode_chunk(index, kind, offset, checksum(piece), piece.data))
                 else:
                     target = self.segment.data[base + offset : base + offset + len(piece)]
-                    target[:] = piece
-                    messages.append(codec.encode_chunk(index, kind, offset, checksum(target), None, len(piece)))
+                    digest = copy_with_checksum(target, piece)
+                    messages.append(codec.encode_chunk(index, kind, offset, digest, None, len(piece)))
                 self.bytes_sent += len(piece)
                 self.chunks_sent += 1
         return messages

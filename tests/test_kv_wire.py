@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from kv_wire import buffers, codec
 from kv_wire.buffers import Buffer, BufferPool, SegmentMaps
-from kv_wire.layout import WIRE_DTYPES, KVLayout, KVTransferError, TransferState
+from kv_wire.layout import _COPY_BLOCK_BYTES, WIRE_DTYPES, KVLayout, KVTransferError, TransferState, checksum, \
+    copy_with_checksum
 from kv_wire.receiver import KVReceiver
 from kv_wire.sender import KVSender
 from model_runner.kv_cache import SlotKVCache
@@ -115,6 +116,17 @@ def test_round_trip_is_bit_exact(
         for layer, (k, v) in zip(cache.slot_layers, kv):
             assert torch.equal(layer.keys[1, :, :tokens], k) and torch.equal(layer.values[1, :, :tokens], v)
             assert not layer.keys[0].any() and not layer.keys[1, :, tokens:].any()  # nothing written elsewhere
+
+
+@settings(max_examples=25, deadline=None)
+@given(size=st.one_of(st.integers(0, 64), st.integers(_COPY_BLOCK_BYTES - 3, 3 * _COPY_BLOCK_BYTES + 5)),
+       seed=st.integers(0, 2**32 - 1))
+def test_blockwise_copy_hashes_exactly_what_it_copied(size: int, seed: int) -> None:
+    """The shm sender's copy (hashed block by block, across block boundaries) gives the whole buffer's checksum."""
+    source = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+    target = np.zeros(size + 1, dtype=np.uint8)  # one byte more: nothing may be written past the copy
+    assert copy_with_checksum(target[:size], source) == checksum(source)
+    assert np.array_equal(target[:size], source) and target[size] == 0
 
 
 SPEC = _spec(2, 2, 8, "float32")
