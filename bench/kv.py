@@ -44,7 +44,7 @@ from bench.report import add_output_args, publish
 from kv_wire import codec
 from kv_wire.buffers import SegmentMaps
 from kv_wire.layout import DEFAULT_CHUNK_BYTES, KVLayout
-from kv_wire.sender import KVSender, encode_stream
+from kv_wire.sender import Item, KVSender, encode_stream
 from model_runner.loading import DEFAULT_MODEL, resolve_model
 from pdserve import memory
 from pdserve.cluster import Service, _await_ready, _spawn, stop_all
@@ -187,14 +187,12 @@ async def _real_path(
         if segment is None:
             raise RuntimeError("the decode worker lent no shared-memory segment this process can open")
     sender = KVSender(request_id, reservation.token, model.fingerprint, layout, chunk_bytes, segment=segment)
-
-    async def layers() -> AsyncIterator[tuple[int, torch.Tensor, torch.Tensor] | int]:
-        for index, (keys, values) in enumerate(kv):
-            yield index, keys, values
-        yield 0  # the first token closes the stream
-
+    layers: asyncio.Queue[Item] = asyncio.Queue()  # every layer ready, as after a forward pass
+    for index, (keys, values) in enumerate(kv):
+        layers.put_nowait((index, keys, values))
+    layers.put_nowait(0)  # the first token closes the stream
     started = time.perf_counter()
-    await transfer_kv(encode_stream(sender, layers()))
+    await transfer_kv(encode_stream(sender, layers))
     seconds = time.perf_counter() - started
     await _drain(call)  # max_tokens=1: the sequence finishes at once and the reservation is released
     return seconds

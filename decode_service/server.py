@@ -388,6 +388,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             part = message.WhichOneof("part")
             if part == "chunk":
                 receiver.accept_chunk(message.chunk)
+            elif part == "chunks":
+                receiver.accept_chunks(message.chunks.chunk)
             elif part == "trailer":
                 return receiver.finish(message.trailer)
             else:

@@ -22,6 +22,8 @@ _method = decode_pb2.DESCRIPTOR.services_by_name["Decode"].methods_by_name["Tran
 TRANSFER_KV_METHOD = f"/{_method.containing_service.full_name}/{_method.name}"
 
 _CHUNK_TAG = b"\x12"  # KVTransfer.chunk: field 2, length-delimited
+_CHUNKS_TAG = b"\x22"  # KVTransfer.chunks: field 4, length-delimited
+_REPEATED_CHUNK_TAG = b"\x0a"  # KVChunks.chunk: field 1, length-delimited
 _DATA_TAG = b"\x22"  # KVChunk.data: field 4, length-delimited
 _VARINT_FIELDS = {1: "layer", 2: "kind", 3: "offset", 5: "checksum", 6: "length"}
 
@@ -62,6 +64,16 @@ def encode_chunk(layer: int, kind: int, offset: int, checksum: int, data: memory
         return _CHUNK_TAG + _varint(len(fields)) + fields
     data_prefix = _DATA_TAG + _varint(len(data))
     return b"".join((_CHUNK_TAG, _varint(len(fields) + len(data_prefix) + len(data)), fields, data_prefix, data))
+
+
+def encode_chunks(chunks: list[bytes]) -> bytes:
+    """Serialised KVTransfer{chunk} messages (from encode_chunk) as one serialised KVTransfer{chunks}.
+
+    Each chunk keeps its encoding: only its field tag changes, from KVTransfer.chunk to KVChunks.chunk.
+    """
+    assert chunks and all(chunk[:1] == _CHUNK_TAG for chunk in chunks), "encode_chunk's messages only"
+    body = b"".join(_REPEATED_CHUNK_TAG + memoryview(chunk)[1:] for chunk in chunks)
+    return _CHUNKS_TAG + _varint(len(body)) + body
 
 
 def encode(message: pb.KVTransfer | bytes) -> bytes:

@@ -17,6 +17,7 @@ them straight into the sequence's slot when it joins.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -149,6 +150,13 @@ class KVReceiver:
         self._offset = chunk.offset + size
         self.bytes_received += size
         self.chunks_received += 1
+
+    def accept_chunks(self, chunks: Sequence[pb.KVChunk]) -> None:
+        """A KVChunks message: each chunk checked in turn, as if it came alone."""
+        if not chunks:
+            raise self.fail(grpc.StatusCode.INVALID_ARGUMENT, "a chunks message with no chunk")
+        for chunk in chunks:
+            self.accept_chunk(chunk)
 
     def finish(self, trailer: pb.KVTrailer) -> ReceivedKV:
         layout = self.layout

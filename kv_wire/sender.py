@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -88,19 +89,39 @@ class KVSender:
         ))
 
 
-async def encode_stream(
-    sender: KVSender, layers: AsyncIterator[tuple[int, torch.Tensor, torch.Tensor] | int]
-) -> AsyncIterator[pb.KVTransfer | bytes]:
-    """The whole request stream: header, each layer's chunks as it arrives, then the trailer.
+# Shared-memory streams send the descriptors of the layers already written in one message, covering up to
+# this much KV: fewer messages, while decode verifies one batch as the next is written.
+SHM_BATCH_BYTES = 4 << 20
 
-    `layers` yields (layer, keys, values) tuples and finally the first token (an int), which closes the stream.
+# What prefill hands the stream: a finished layer (layer, keys, values), then the first token, which closes the
+# stream; None instead ends it early (the request was cancelled).
+Item = tuple[int, torch.Tensor, torch.Tensor] | int | None
+
+
+async def encode_stream(sender: KVSender, items: asyncio.Queue[Item]) -> AsyncIterator[pb.KVTransfer | bytes]:
+    """The whole request stream: header, each layer's chunks as the layer arrives in `items`, then the trailer.
+
+    On the gRPC path every chunk is a message. On the shared-memory path one message carries the descriptors of
+    every layer already waiting (up to SHM_BATCH_BYTES of KV); a layer that arrives alone goes alone.
     Send it with `codec.transfer_kv(channel)`, whose serializer passes the pre-encoded chunks through.
     """
     yield sender.header()
-    async for item in layers:
+    pending: list[bytes] = []  # shared memory: descriptors of layers written, not yet sent
+    while True:
+        if pending and (items.empty() or len(pending) * sender.layout.tensor_bytes >= SHM_BATCH_BYTES):
+            yield codec.encode_chunks(pending)
+            pending = []
+        item = await items.get()
+        if item is None:
+            return
         if isinstance(item, int):
+            if pending:
+                yield codec.encode_chunks(pending)
             yield sender.trailer(item)
             return
-        for message in sender.layer(*item):
-            yield message
-
+        chunks = sender.layer(*item)
+        if sender.segment is None:
+            for chunk in chunks:
+                yield chunk
+        else:
+            pending += chunks

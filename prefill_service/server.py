@@ -33,7 +33,7 @@ from opentelemetry.trace import SpanKind
 from kv_wire import codec
 from kv_wire.buffers import SegmentMaps
 from kv_wire.layout import DEFAULT_CHUNK_BYTES, LOSSY_WIRE_DTYPES, KVLayout, TransferState
-from kv_wire.sender import KVSender, encode_stream
+from kv_wire.sender import Item, KVSender, encode_stream
 from model_runner import forward
 from model_runner.loading import LoadedModel, ModelConfig, add_model_args, model_config
 from model_runner.prefix_cache import PrefixCache
@@ -121,7 +121,7 @@ class _KVPush:
 
     def __init__(self, channel: grpc.aio.Channel, sender: KVSender, abandon: threading.Event) -> None:
         self._transfer_kv, self.sender, self._abandon = codec.transfer_kv(channel), sender, abandon
-        self._items: asyncio.Queue[tuple[int, torch.Tensor, torch.Tensor] | int | None] = asyncio.Queue()
+        self._items: asyncio.Queue[Item] = asyncio.Queue()
         self.call: asyncio.Future | None = None
         self.started_at = 0.0
 
@@ -131,7 +131,7 @@ class _KVPush:
             if self._abandon.is_set():  # queued just before the request ended: send nothing
                 return
             self.started_at = time.perf_counter()
-            self.call = asyncio.ensure_future(self._transfer_kv(encode_stream(self.sender, self._drain())))
+            self.call = asyncio.ensure_future(self._transfer_kv(encode_stream(self.sender, self._items)))
             self.call.add_done_callback(self._on_transfer_end)
         self._items.put_nowait(item)
 
@@ -142,15 +142,6 @@ class _KVPush:
         self.sender.state = TransferState.FAILED
         # A refused transfer stops the forward pass at its next layer instead of computing for nothing.
         self._abandon.set()
-
-    async def _drain(self) -> AsyncIterator[tuple[int, torch.Tensor, torch.Tensor] | int]:
-        while True:
-            item = await self._items.get()
-            if item is None:  # cancelled: end the request stream, so gRPC's task reading it ends too
-                return
-            yield item
-            if isinstance(item, int):
-                return
 
     def cancel(self) -> None:
         if self.call is not None and not self.call.done():

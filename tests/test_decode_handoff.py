@@ -87,6 +87,17 @@ def test_valid_handoff_streams_tokens(decode) -> None:
     assert events[-1].tokens.finish_reason == "length"
 
 
+def test_chunks_batched_in_one_message_are_each_checked_and_accepted(decode) -> None:
+    call, token = _reserve(decode, "batched", max_tokens=2)
+    messages = _kv_stream(decode, "batched", token)
+    chunks = [m.chunk for m in messages[1:-1]]
+    batches = [kv_transfer_pb2.KVTransfer(chunks=kv_transfer_pb2.KVChunks(chunk=chunks[i : i + 3]))
+               for i in range(0, len(chunks), 3)]
+    ack = decode.TransferKV(iter([messages[0], *batches, messages[-1]]), timeout=30)
+    assert ack.chunks_received == len(chunks) and len(batches) < len(chunks)
+    assert list(call)[-1].tokens.finish_reason == "length"
+
+
 def test_forged_token_is_refused_and_reservation_stays_usable(decode) -> None:
     call, token = _reserve(decode, "forged")
     forged = _kv_stream(decode, "forged", "not-the-token")
@@ -108,6 +119,7 @@ def test_reused_token_is_refused(decode) -> None:
     ("checksum", grpc.StatusCode.DATA_LOSS),
     ("no_trailer", grpc.StatusCode.DATA_LOSS),
     ("chunk_first", grpc.StatusCode.INVALID_ARGUMENT),
+    ("empty_chunks", grpc.StatusCode.INVALID_ARGUMENT),
 ])
 def test_bad_stream_is_refused_and_fails_the_reservation_at_once(decode, damage: str, code: grpc.StatusCode) -> None:
     call, token = _reserve(decode, f"bad-{damage}")
@@ -119,6 +131,8 @@ def test_bad_stream_is_refused_and_fails_the_reservation_at_once(decode, damage:
         messages = messages[:-1]
     elif damage == "chunk_first":
         messages = messages[1:]
+    elif damage == "empty_chunks":
+        messages.insert(3, kv_transfer_pb2.KVTransfer(chunks=kv_transfer_pb2.KVChunks()))
     assert _refused(decode.TransferKV, messages) == code
     assert _stream_failure(call) == (grpc.StatusCode.DEADLINE_EXCEEDED if damage == "chunk_first" else code)
 

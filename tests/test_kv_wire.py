@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -13,11 +14,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_wire import buffers, codec
+from kv_wire import sender as sender_module
 from kv_wire.buffers import Buffer, BufferPool, SegmentMaps
-from kv_wire.layout import _COPY_BLOCK_BYTES, WIRE_DTYPES, KVLayout, KVTransferError, TransferState, checksum, \
-    copy_with_checksum
+from kv_wire.layout import (
+    COPY_BLOCK_BYTES,
+    WIRE_DTYPES,
+    KVLayout,
+    KVTransferError,
+    TransferState,
+    checksum,
+    copy_with_checksum,
+)
 from kv_wire.receiver import KVReceiver
-from kv_wire.sender import KVSender
+from kv_wire.sender import KVSender, encode_stream
 from model_runner.kv_cache import SlotKVCache
 from model_runner.loading import ModelSpec
 from protos import kv_transfer_pb2 as pb
@@ -119,7 +128,7 @@ def test_round_trip_is_bit_exact(
 
 
 @settings(max_examples=25, deadline=None)
-@given(size=st.one_of(st.integers(0, 64), st.integers(_COPY_BLOCK_BYTES - 3, 3 * _COPY_BLOCK_BYTES + 5)),
+@given(size=st.one_of(st.integers(0, 64), st.integers(COPY_BLOCK_BYTES - 3, 3 * COPY_BLOCK_BYTES + 5)),
        seed=st.integers(0, 2**32 - 1))
 def test_blockwise_copy_hashes_exactly_what_it_copied(size: int, seed: int) -> None:
     """The shm sender's copy (hashed block by block, across block boundaries) gives the whole buffer's checksum."""
@@ -127,6 +136,41 @@ def test_blockwise_copy_hashes_exactly_what_it_copied(size: int, seed: int) -> N
     target = np.zeros(size + 1, dtype=np.uint8)  # one byte more: nothing may be written past the copy
     assert copy_with_checksum(target[:size], source) == checksum(source)
     assert np.array_equal(target[:size], source) and target[size] == 0
+
+
+@pytest.mark.parametrize("arrival", ["all_waiting", "one_by_one"])
+def test_shm_stream_sends_the_descriptors_of_waiting_layers_together(arrival: str, monkeypatch) -> None:
+    """encode_stream batches shm descriptors of layers already queued (up to SHM_BATCH_BYTES of KV); a layer that
+    arrives alone goes alone. The batched stream decodes to the same KV."""
+    spec, tokens = _spec(4, 2, 8, "float32"), 5
+    layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, tokens, spec.dtype)
+    monkeypatch.setattr(sender_module, "SHM_BATCH_BYTES", 3 * layout.tensor_bytes)  # flush from 2 layers on
+    kv = _random_kv(spec, tokens)
+
+    async def stream(lent) -> list[bytes | pb.KVTransfer]:
+        items: asyncio.Queue = asyncio.Queue()
+        messages = encode_stream(KVSender("r1", "token", spec.fingerprint, layout, 64, segment=lent), items)
+        out = [await anext(messages)]  # the header
+        for index, (keys, values) in enumerate(kv):
+            items.put_nowait((index, keys, values))
+            if arrival == "one_by_one":
+                out.append(await anext(messages))  # this layer's descriptors, sent before the next layer exists
+        items.put_nowait(7)
+        return out + [message async for message in messages]
+
+    with _segment("shm", layout.total_bytes) as segment:
+        assert segment is not None
+        lent = SegmentMaps().open(segment.name, "token", layout.total_bytes)
+        wire = [m if isinstance(m, pb.KVTransfer) else pb.KVTransfer.FromString(m) for m in asyncio.run(stream(lent))]
+        batches = [len(m.chunks.chunk) for m in wire[1:-1]]
+        assert batches == ([4, 4] if arrival == "all_waiting" else [2, 2, 2, 2])  # 2 descriptors (K, V) a layer
+        receiver = KVReceiver(spec, 1 << 20)
+        receiver.accept_header(wire[0].header, tokens, segment)
+        for message in wire[1:-1]:
+            receiver.accept_chunks(message.chunks.chunk)
+        received = receiver.finish(wire[-1].trailer)
+        for (k, v), (k2, v2) in zip(kv, received.layers()):
+            assert torch.equal(k, k2) and torch.equal(v, v2)
 
 
 SPEC = _spec(2, 2, 8, "float32")
@@ -226,6 +270,14 @@ def test_damaged_stream_is_refused_with_its_status(damage, code: grpc.StatusCode
             receiver.finish(messages[-1].trailer)
     assert refused.value.code == code
     assert receiver.state is TransferState.FAILED
+
+
+def test_empty_chunks_message_is_refused() -> None:
+    receiver = KVReceiver(SPEC, 1 << 20)
+    receiver.accept_header(_good()[0].header, TOKENS, None)
+    with pytest.raises(KVTransferError) as refused:
+        receiver.accept_chunks([])
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and receiver.state is TransferState.FAILED
 
 
 def test_shm_header_without_a_lent_segment_is_refused() -> None:
