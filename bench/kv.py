@@ -67,7 +67,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="model whose KV layout is moved (default: %(default)s)")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="prompt lengths (default: %(default)s)")
     parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
-    parser.add_argument("--repeats", type=int, default=7, help="runs per figure; the median is reported")
+    parser.add_argument("--repeats", type=int, default=15, help="runs per figure; the median is reported")
     parser.add_argument("--exposed-tokens", type=int, default=HEADLINE_TOKENS,
                         help="prompt length of the exposed-transfer measurement (default: %(default)s)")
     parser.add_argument("--exposed-repeats", type=int, default=5, help="prefill runs per exposed-time figure")
