@@ -114,7 +114,7 @@ async def encode_stream(sender: KVSender, items: asyncio.Queue[Item]) -> AsyncIt
             yield codec.encode_chunks(pending)
             pending = []
         item = await items.get()
-        if item is None:
+        if item is None:  # cancelled: the request stream ends, so gRPC's task reading it ends too
             return
         if isinstance(item, int):
             if pending:
