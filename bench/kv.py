@@ -5,6 +5,8 @@ must keep room for generated tokens), measures side by side:
 - grpc: the real KV path, bytes in the stream: KVSender -> a real decode worker's TransferKV (validation,
   checksums), timed from the first message to decode's acknowledgement;
 - shm: the same, with the bytes written into the shared-memory segment the decode worker lent;
+- grpc_prebuilt: the gRPC path with its messages built before the clock starts: what the stream and decode's
+  checks cost, without building the messages (one copy of every byte and its checksum, on the sending core);
 - grpc_ceiling: raw grpcio bytes streaming with the same chunk size into a sink that only counts them: the
   payload's own bytes, cut into chunk-sized bytes objects before the clock starts;
 - grpc_hot_chunk: the same, but one chunk sent over and over, so the sender reads it from cache (the ceiling
@@ -33,7 +35,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -50,10 +52,12 @@ from pdserve import memory
 from pdserve.cluster import Service, _await_ready, _spawn, stop_all
 from pdserve.serving import MAX_MESSAGE_BYTES
 from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, worker_pb2
+from protos import kv_transfer_pb2 as pb
 
 TOKENS = (512, 2048, 8000)
 HEADLINE_TOKENS = 2048
-PATHS = ("memcpy", "tcp", "grpc_ceiling", "grpc_hot_chunk", "grpc", "shm")
+T = TypeVar("T")
+PATHS = ("memcpy", "tcp", "grpc_ceiling", "grpc_hot_chunk", "grpc_prebuilt", "grpc", "shm")
 _SINK_METHOD = "/pdserve.bench.Sink/Bytes"
 _SINK_TCP_PORT = "/pdserve.bench.Sink/TcpPort"
 _CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -120,8 +124,8 @@ async def _bench(args: argparse.Namespace, model_dir: Path, tokens: list[int]) -
         "machine": _machine(),
         "model": model.name, "kv_bytes_per_token": 2 * model.num_layers * model.num_kv_heads * model.head_dim * 4,
         "chunk_bytes": args.chunk_bytes, "repeats": args.repeats,
-        **{key: headline[key] for key in ("grpc_gbps", "grpc_ceiling_gbps", "grpc_hot_chunk_gbps", "tcp_gbps",
-                                          "shm_gbps", "memcpy_gbps")},
+        **{key: headline[key] for key in ("grpc_gbps", "grpc_ceiling_gbps", "grpc_hot_chunk_gbps",
+                                          "grpc_prebuilt_gbps", "tcp_gbps", "shm_gbps", "memcpy_gbps")},
         "exposed_transfer_frac": exposed.get("shm", {}).get("exposed_transfer_frac"),
         "cases": cases,
         "exposed": exposed,
@@ -151,6 +155,7 @@ async def _throughput_case(stub: decode_pb2_grpc.DecodeStub, transfer_kv: grpc.a
             "tcp": lambda _: asyncio.to_thread(_tcp_send, sink_tcp, payload),
             "grpc_ceiling": lambda _: _timed(lambda: raw_stream(_each(chunks))),
             "grpc_hot_chunk": lambda _: _timed(lambda: raw_stream(_each(hot_chunks))),
+            "grpc_prebuilt": lambda repeat: real_path(shm=False, tag=f"prebuilt-{count}-{repeat}", prebuilt=True),
             "grpc": lambda repeat: real_path(shm=False, tag=f"{count}-{repeat}"),
             "shm": lambda repeat: real_path(shm=True, tag=f"{count}-{repeat}"),
         }
@@ -167,6 +172,7 @@ async def _throughput_case(stub: decode_pb2_grpc.DecodeStub, transfer_kv: grpc.a
         case[f"{name}_gbps"] = nbytes / statistics.median(runs) / 1e9
         case[f"{name}_ms_samples"] = [s * 1e3 for s in runs]
     case["grpc_vs_ceiling"] = case["grpc_gbps"] / case["grpc_ceiling_gbps"]
+    case["grpc_prebuilt_vs_ceiling"] = case["grpc_prebuilt_gbps"] / case["grpc_ceiling_gbps"]
     case["shm_vs_grpc"] = case["shm_gbps"] / case["grpc_gbps"]
     case["shm_vs_memcpy"] = case["shm_gbps"] / case["memcpy_gbps"]
     return case
@@ -175,8 +181,12 @@ async def _throughput_case(stub: decode_pb2_grpc.DecodeStub, transfer_kv: grpc.a
 async def _real_path(
     stub: decode_pb2_grpc.DecodeStub, transfer_kv: grpc.aio.StreamUnaryMultiCallable, model: worker_pb2.ModelInfo,
     layout: KVLayout, kv: list[tuple[torch.Tensor, torch.Tensor]], chunk_bytes: int, shm: bool, tag: str,
+    prebuilt: bool = False,
 ) -> float:
-    """Reserve on the decode worker, then time the KV stream from its first message to decode's ack."""
+    """Reserve on the decode worker, then time the KV stream from its first message to decode's ack.
+
+    `prebuilt`: the messages are built first, and the clock runs only while they are streamed and checked.
+    """
     request_id = f"bench-{'shm' if shm else 'grpc'}-{tag}"
     call = stub.Generate(decode_pb2.DecodeRequest(request_id=request_id, prompt_tokens=layout.num_tokens,
                                                   max_tokens=1, sampling=_GREEDY))
@@ -191,8 +201,11 @@ async def _real_path(
     for index, (keys, values) in enumerate(kv):
         layers.put_nowait((index, keys, values))
     layers.put_nowait(0)  # the first token closes the stream
+    stream: AsyncIterator[pb.KVTransfer | bytes] = encode_stream(sender, layers)
+    if prebuilt:
+        stream = _each([message async for message in stream])
     started = time.perf_counter()
-    await transfer_kv(encode_stream(sender, layers))
+    await transfer_kv(stream)
     seconds = time.perf_counter() - started
     await _drain(call)  # max_tokens=1: the sequence finishes at once and the reservation is released
     return seconds
@@ -277,9 +290,9 @@ def _timed_sync(work: Callable[[], Any]) -> float:
     return time.perf_counter() - started
 
 
-async def _each(chunks: Iterable[bytes]) -> AsyncIterator[bytes]:
-    for chunk in chunks:
-        yield chunk
+async def _each(messages: Iterable[T]) -> AsyncIterator[T]:
+    for message in messages:
+        yield message
 
 
 def _tcp_send(port: int, payload: np.ndarray) -> float:
@@ -308,13 +321,14 @@ def _table(result: dict[str, Any]) -> str:
     lines = [f"KV transfer, {result['model']} ({result['kv_bytes_per_token']} B/token), chunks of "
              f"{result['chunk_bytes']} B, median of {result['repeats']}; {result['machine']['cpu']}, "
              f"{result['machine']['cores']} cores. GB/s = 1e9 bytes/s.",
-             f"{'tokens':>7} {'MB':>7} {'grpc':>7} {'ceiling':>8} {'hot':>7} {'tcp':>7} {'shm':>7} {'memcpy':>7} "
-             f"{'grpc/ceil':>9} {'shm/grpc':>8} {'shm/memcpy':>10}"]
+             f"{'tokens':>7} {'MB':>7} {'grpc':>7} {'prebuilt':>8} {'ceiling':>8} {'hot':>7} {'tcp':>7} {'shm':>7} "
+             f"{'memcpy':>7} {'grpc/ceil':>9} {'prebuilt/ceil':>13} {'shm/grpc':>8} {'shm/memcpy':>10}"]
     for case in result["cases"].values():
         lines.append(f"{case['tokens']:>7} {case['kv_bytes'] / 1e6:>7.1f} {case['grpc_gbps']:>7.2f} "
-                     f"{case['grpc_ceiling_gbps']:>8.2f} {case['grpc_hot_chunk_gbps']:>7.2f} {case['tcp_gbps']:>7.2f} "
-                     f"{case['shm_gbps']:>7.2f} "
-                     f"{case['memcpy_gbps']:>7.2f} {case['grpc_vs_ceiling']:>9.0%} {case['shm_vs_grpc']:>7.1f}x "
+                     f"{case['grpc_prebuilt_gbps']:>8.2f} {case['grpc_ceiling_gbps']:>8.2f} "
+                     f"{case['grpc_hot_chunk_gbps']:>7.2f} {case['tcp_gbps']:>7.2f} {case['shm_gbps']:>7.2f} "
+                     f"{case['memcpy_gbps']:>7.2f} {case['grpc_vs_ceiling']:>9.0%} "
+                     f"{case['grpc_prebuilt_vs_ceiling']:>13.0%} {case['shm_vs_grpc']:>7.1f}x "
                      f"{case['shm_vs_memcpy']:>10.0%}")
     exposed = result["exposed"]
     if exposed:
@@ -334,7 +348,7 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths = ["grpc", "grpc_ceiling", "grpc_hot_chunk", "tcp", "shm", "memcpy"]
+    paths = ["grpc", "grpc_prebuilt", "grpc_ceiling", "grpc_hot_chunk", "tcp", "shm", "memcpy"]
     cases = list(result["cases"].values())
     figure, axis = plt.subplots(figsize=(8, 4.5))
     width = 0.8 / len(paths)
