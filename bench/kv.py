@@ -50,7 +50,7 @@ from kv_wire.sender import Item, KVSender, encode_stream
 from model_runner.loading import DEFAULT_MODEL, resolve_model
 from pdserve import memory
 from pdserve.cluster import Service, _await_ready, _spawn, stop_all
-from pdserve.serving import MAX_MESSAGE_BYTES
+from pdserve.serving import MESSAGE_LIMITS
 from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, worker_pb2
 from protos import kv_transfer_pb2 as pb
 
@@ -60,8 +60,6 @@ T = TypeVar("T")
 PATHS = ("memcpy", "tcp", "grpc_ceiling", "grpc_hot_chunk", "grpc_prebuilt", "grpc", "shm")
 _SINK_METHOD = "/pdserve.bench.Sink/Bytes"
 _SINK_TCP_PORT = "/pdserve.bench.Sink/TcpPort"
-_CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 _GREEDY = worker_pb2.SamplingParams(temperature=0.0, top_p=1.0)
 # Exposed-transfer variants: prefill worker flags.
 PREFILL_VARIANTS = {"shm": (), "grpc": ("--no-kv-shm",), "grpc_unstreamed": ("--no-kv-shm", "--no-layer-streaming")}
@@ -108,7 +106,7 @@ async def _bench(args: argparse.Namespace, model_dir: Path, tokens: list[int]) -
     services = [decode, sink, *prefills.values()]
     try:
         _await_ready(services, time.monotonic() + 300)
-        async with grpc.aio.insecure_channel(decode.address, options=_CHANNEL_OPTIONS) as channel:
+        async with grpc.aio.insecure_channel(decode.address, options=MESSAGE_LIMITS) as channel:
             stub = decode_pb2_grpc.DecodeStub(channel)
             model = (await stub.GetInfo(worker_pb2.WorkerInfoRequest())).model
             cases = {}
@@ -144,7 +142,7 @@ async def _throughput_case(stub: decode_pb2_grpc.DecodeStub, transfer_kv: grpc.a
     payload = np.random.default_rng(count).integers(0, 256, nbytes, dtype=np.uint8)
     copy_target = np.empty_like(payload)
     real_path = functools.partial(_real_path, stub, transfer_kv, model, layout, kv, args.chunk_bytes)
-    async with grpc.aio.insecure_channel(sink, options=_CHANNEL_OPTIONS) as sink_channel:
+    async with grpc.aio.insecure_channel(sink, options=MESSAGE_LIMITS) as sink_channel:
         raw_stream = sink_channel.stream_unary(_SINK_METHOD)  # no serializers: bytes go out as they are
         sink_tcp = int.from_bytes(await sink_channel.unary_unary(_SINK_TCP_PORT)(b""), "little")
         step = args.chunk_bytes
@@ -384,7 +382,7 @@ def _sink() -> None:
         return int(listener.getsockname()[1]).to_bytes(8, "little")
 
     async def main() -> None:
-        server = grpc.aio.server(options=_CHANNEL_OPTIONS)
+        server = grpc.aio.server(options=MESSAGE_LIMITS)
         handlers = {"Bytes": grpc.stream_unary_rpc_method_handler(count),  # no deserializer: raw bytes
                     "TcpPort": grpc.unary_unary_rpc_method_handler(tcp_port)}
         server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("pdserve.bench.Sink", handlers)])

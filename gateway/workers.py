@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from model_runner.prefix_cache import block_names
-from pdserve.serving import MAX_MESSAGE_BYTES
+from pdserve.serving import MESSAGE_LIMITS
 from pdserve.tls import TLS, aio_channel
 from protos import decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
 
@@ -161,9 +161,7 @@ class Pool:
 
     def _worker(self, address: str) -> Worker:
         stub_class = prefill_pb2_grpc.PrefillStub if self.role == "prefill" else decode_pb2_grpc.DecodeStub
-        options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-        channel = aio_channel(address, self.tls, options, expect=self.role)
+        channel = aio_channel(address, self.tls, MESSAGE_LIMITS, expect=self.role)
         return Worker(address, channel, stub_class(channel), health=health_pb2_grpc.HealthStub(channel))
 
     def _resolve(self) -> list[str]:

@@ -23,6 +23,9 @@ from pdserve.metrics import Metrics
 from pdserve.tls import TLS
 
 MAX_MESSAGE_BYTES = 8 << 20  # KV chunks are 1 MiB by default; anything near this limit is malformed
+# The message limits every pdserve server and channel runs with.
+MESSAGE_LIMITS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                  ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 
 
 @dataclass(frozen=True)
@@ -118,24 +121,20 @@ async def listen(
     role: str, config: ServerConfig, port: int, register: Callable[[grpc.aio.Server], list[str]]
 ) -> tuple[grpc.aio.Server, int, HealthServicer]:
     """A started gRPC server on `port` with `register`'s services, health, reflection and the limits."""
-    options = [
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.so_reuseport", 0),
-    ]
-    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs)
+    server = grpc.aio.server(options=[*MESSAGE_LIMITS, ("grpc.so_reuseport", 0)],
+                             maximum_concurrent_rpcs=config.max_concurrent_rpcs)
     services = register(server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection([*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                                          reflection.SERVICE_NAME], server)
-    listen = f"{config.host}:{port}"
+    where = f"{config.host}:{port}"
     if config.tls is None:
-        bound = server.add_insecure_port(listen)
+        bound = server.add_insecure_port(where)
     else:
-        bound = server.add_secure_port(listen, config.tls.server_credentials())
+        bound = server.add_secure_port(where, config.tls.server_credentials())
     if bound == 0:
-        raise SystemExit(f"{role}: cannot listen on {listen}")
+        raise SystemExit(f"{role}: cannot listen on {where}")
     await server.start()
     for name in ["", *services]:
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -40,7 +40,7 @@ from model_runner.prefix_cache import PrefixCache
 from model_runner.sampling import SamplingParams
 from pdserve import logs, serving, tracing
 from pdserve.metrics import Metrics
-from pdserve.serving import MAX_MESSAGE_BYTES, ServerConfig, add_server_args, server_config
+from pdserve.serving import MAX_MESSAGE_BYTES, MESSAGE_LIMITS, ServerConfig, add_server_args, server_config
 from pdserve.tls import aio_channel, require_peer
 from prefill_service.engine import Abandoned, Prefilled, PrefillEngine, PrefillJob, QueueFull
 from protos import prefill_pb2, prefill_pb2_grpc, worker_pb2
@@ -326,10 +326,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = aio_channel(address, self.config.server.tls, options=[
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ], expect="decode")
+            self._channels[address] = aio_channel(address, self.config.server.tls, MESSAGE_LIMITS, expect="decode")
         return self._channels[address]
 
     async def GetInfo(

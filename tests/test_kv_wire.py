@@ -258,8 +258,7 @@ def _mixed(messages: list[pb.KVTransfer], segment: Buffer | None) -> list[pb.KVT
     (_mixed, grpc.StatusCode.INVALID_ARGUMENT),
     (_split_element, grpc.StatusCode.INVALID_ARGUMENT),
 ])
-def test_damaged_stream_is_refused_with_its_status(damage, code: grpc.StatusCode,
-                                                                      transport: str) -> None:
+def test_damaged_stream_is_refused_with_its_status(damage, code: grpc.StatusCode, transport: str) -> None:
     receiver = KVReceiver(SPEC, 1 << 20)
     with _segment(transport, 2 * SPEC.num_layers * _TENSOR) as segment:
         messages = damage(_good(segment), segment)
