@@ -16,7 +16,9 @@ Then the exposed transfer time: a real prefill worker's Prefill call until its K
 worker, minus the prefill forward pass alone, as a fraction of the forward pass; for the default (shared
 memory, layer-streamed), gRPC, and gRPC-after-the-forward-pass workers. "Alone" is the forward time reported by
 the worker that sends its KV only after the pass, so nothing else runs beside it.
-Every figure is the median of --repeats runs; the JSON also keeps every sample.
+Every figure is the median of --repeats runs; the JSON also keeps every sample. For the gRPC and shm paths and the
+ceilings, each run also records the CPU time each end spent within its clock (the sending process, and the decode
+worker or the sink): what the real paths cost beyond the ceiling, side by side.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import argparse
 import asyncio
 import functools
 import json
+import math
 import os
 import platform
 import random
@@ -34,6 +37,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -58,6 +62,7 @@ TOKENS = (512, 2048, 8000)
 HEADLINE_TOKENS = 2048
 T = TypeVar("T")
 PATHS = ("memcpy", "tcp", "grpc_ceiling", "grpc_hot_chunk", "grpc_prebuilt", "grpc", "shm")
+CPU_PATHS = ("grpc_ceiling", "grpc_prebuilt", "grpc", "shm")  # the CPU time of both ends is reported for these
 _SINK_METHOD = "/pdserve.bench.Sink/Bytes"
 _SINK_TCP_PORT = "/pdserve.bench.Sink/TcpPort"
 _GREEDY = worker_pb2.SamplingParams(temperature=0.0, top_p=1.0)
@@ -111,7 +116,7 @@ async def _bench(args: argparse.Namespace, model_dir: Path, tokens: list[int]) -
             model = (await stub.GetInfo(worker_pb2.WorkerInfoRequest())).model
             cases = {}
             for count in tokens:
-                cases[str(count)] = await _throughput_case(stub, codec.transfer_kv(channel), model, sink.address,
+                cases[str(count)] = await _throughput_case(stub, codec.transfer_kv(channel), model, decode, sink,
                                                            count, args)
                 print(f"bench kv: {count} tokens done", file=sys.stderr, flush=True)
             exposed = {} if args.no_exposed else await _exposed(stub, decode.address, prefills, model, args)
@@ -131,28 +136,30 @@ async def _bench(args: argparse.Namespace, model_dir: Path, tokens: list[int]) -
 
 
 async def _throughput_case(stub: decode_pb2_grpc.DecodeStub, transfer_kv: grpc.aio.StreamUnaryMultiCallable,
-                           model: worker_pb2.ModelInfo, sink: str, count: int, args: argparse.Namespace
-                           ) -> dict[str, Any]:
+                           model: worker_pb2.ModelInfo, decode: Service, sink: Service, count: int,
+                           args: argparse.Namespace) -> dict[str, Any]:
     layout = KVLayout(model.num_layers, model.num_kv_heads, model.head_dim, count, model.dtype)
     generator = torch.Generator().manual_seed(count)
     kv = [(torch.randn(layout.tensor_shape, generator=generator), torch.randn(layout.tensor_shape, generator=generator))
           for _ in range(layout.num_layers)]
     nbytes = layout.total_bytes
-    samples: dict[str, list[float]] = {name: [] for name in PATHS}
+    samples: dict[str, list[Sample]] = {name: [] for name in PATHS}
     payload = np.random.default_rng(count).integers(0, 256, nbytes, dtype=np.uint8)
     copy_target = np.empty_like(payload)
-    real_path = functools.partial(_real_path, stub, transfer_kv, model, layout, kv, args.chunk_bytes)
-    async with grpc.aio.insecure_channel(sink, options=MESSAGE_LIMITS) as sink_channel:
+    real_path = functools.partial(_real_path, stub, transfer_kv, model, layout, kv, args.chunk_bytes,
+                                  decode.process.pid)
+    sink_pid = sink.process.pid
+    async with grpc.aio.insecure_channel(sink.address, options=MESSAGE_LIMITS) as sink_channel:
         raw_stream = sink_channel.stream_unary(_SINK_METHOD)  # no serializers: bytes go out as they are
         sink_tcp = int.from_bytes(await sink_channel.unary_unary(_SINK_TCP_PORT)(b""), "little")
         step = args.chunk_bytes
         chunks = [payload[offset : offset + step].tobytes() for offset in range(0, nbytes, step)]
         hot_chunks = [chunks[0][: len(chunk)] for chunk in chunks]  # the first chunk again (a full slice is itself)
-        measure: dict[str, Callable[[int], Awaitable[float]]] = {
-            "memcpy": lambda _: asyncio.to_thread(_timed_sync, lambda: np.copyto(copy_target, payload)),
-            "tcp": lambda _: asyncio.to_thread(_tcp_send, sink_tcp, payload),
-            "grpc_ceiling": lambda _: _timed(lambda: raw_stream(_each(chunks))),
-            "grpc_hot_chunk": lambda _: _timed(lambda: raw_stream(_each(hot_chunks))),
+        measure: dict[str, Callable[[int], Awaitable[Sample]]] = {
+            "memcpy": lambda _: _wall_only(asyncio.to_thread(_timed_sync, lambda: np.copyto(copy_target, payload))),
+            "tcp": lambda _: _wall_only(asyncio.to_thread(_tcp_send, sink_tcp, payload)),
+            "grpc_ceiling": lambda _: _timed(lambda: raw_stream(_each(chunks)), sink_pid),
+            "grpc_hot_chunk": lambda _: _timed(lambda: raw_stream(_each(hot_chunks)), sink_pid),
             "grpc_prebuilt": lambda repeat: real_path(shm=False, tag=f"prebuilt-{count}-{repeat}", prebuilt=True),
             "grpc": lambda repeat: real_path(shm=False, tag=f"{count}-{repeat}"),
             "shm": lambda repeat: real_path(shm=True, tag=f"{count}-{repeat}"),
@@ -162,13 +169,16 @@ async def _throughput_case(stub: decode_pb2_grpc.DecodeStub, transfer_kv: grpc.a
             names = list(measure)
             order.shuffle(names)  # interleaved in a new order each round: no path always runs after another
             for name in names:
-                seconds = await measure[name](repeat)
+                sample = await measure[name](repeat)
                 if repeat:
-                    samples[name].append(seconds)
+                    samples[name].append(sample)
     case: dict[str, Any] = {"tokens": count, "kv_bytes": nbytes}
     for name, runs in samples.items():
-        case[f"{name}_gbps"] = nbytes / statistics.median(runs) / 1e9
-        case[f"{name}_ms_samples"] = [s * 1e3 for s in runs]
+        case[f"{name}_gbps"] = nbytes / statistics.median(run.seconds for run in runs) / 1e9
+        case[f"{name}_ms_samples"] = [run.seconds * 1e3 for run in runs]
+        if name in CPU_PATHS:
+            case[f"{name}_sender_cpu_ms"] = statistics.median(run.sender_cpu_s for run in runs) * 1e3
+            case[f"{name}_receiver_cpu_ms"] = statistics.median(run.receiver_cpu_s for run in runs) * 1e3
     case["grpc_vs_ceiling"] = case["grpc_gbps"] / case["grpc_ceiling_gbps"]
     case["grpc_prebuilt_vs_ceiling"] = case["grpc_prebuilt_gbps"] / case["grpc_ceiling_gbps"]
     case["shm_vs_grpc"] = case["shm_gbps"] / case["grpc_gbps"]
@@ -178,9 +188,9 @@ async def _throughput_case(stub: decode_pb2_grpc.DecodeStub, transfer_kv: grpc.a
 
 async def _real_path(
     stub: decode_pb2_grpc.DecodeStub, transfer_kv: grpc.aio.StreamUnaryMultiCallable, model: worker_pb2.ModelInfo,
-    layout: KVLayout, kv: list[tuple[torch.Tensor, torch.Tensor]], chunk_bytes: int, shm: bool, tag: str,
-    prebuilt: bool = False,
-) -> float:
+    layout: KVLayout, kv: list[tuple[torch.Tensor, torch.Tensor]], chunk_bytes: int, decode_pid: int, shm: bool,
+    tag: str, prebuilt: bool = False,
+) -> Sample:
     """Reserve on the decode worker, then time the KV stream from its first message to decode's ack.
 
     `prebuilt`: the messages are built first, and the clock runs only while they are streamed and checked.
@@ -202,11 +212,9 @@ async def _real_path(
     stream: AsyncIterator[pb.KVTransfer | bytes] = encode_stream(sender, layers)
     if prebuilt:
         stream = _each([message async for message in stream])
-    started = time.perf_counter()
-    await transfer_kv(stream)
-    seconds = time.perf_counter() - started
+    sample = await _timed(lambda: transfer_kv(stream), decode_pid)
     await _drain(call)  # max_tokens=1: the sequence finishes at once and the reservation is released
-    return seconds
+    return sample
 
 
 async def _exposed(stub: decode_pb2_grpc.DecodeStub, decode_address: str, prefills: dict[str, Service],
@@ -276,10 +284,37 @@ async def _drain(call: grpc.aio.UnaryStreamCall) -> None:
         pass
 
 
-async def _timed(make_call: Callable[[], Any]) -> float:
+@dataclass(frozen=True)
+class Sample:
+    """One timed run, and the CPU time each end spent within it (all their threads; nan where not measured)."""
+
+    seconds: float
+    sender_cpu_s: float = math.nan
+    receiver_cpu_s: float = math.nan
+
+
+async def _timed(make_call: Callable[[], Any], receiver_pid: int) -> Sample:
+    sender_cpu, receiver_cpu = time.process_time(), _cpu_seconds(receiver_pid)
     started = time.perf_counter()
     await make_call()
-    return time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    return Sample(seconds, time.process_time() - sender_cpu, _cpu_seconds(receiver_pid) - receiver_cpu)
+
+
+async def _wall_only(seconds: Awaitable[float]) -> Sample:
+    return Sample(await seconds)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU time so far of every live thread of process `pid` (Linux; nan where /proc cannot tell)."""
+    nanoseconds = 0
+    tasks = list(Path(f"/proc/{pid}/task").glob("*/schedstat"))
+    for path in tasks:
+        try:
+            nanoseconds += int(path.read_text().split()[0])
+        except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
+            pass
+    return nanoseconds / 1e9 if tasks else math.nan
 
 
 def _timed_sync(work: Callable[[], Any]) -> float:
@@ -328,6 +363,11 @@ def _table(result: dict[str, Any]) -> str:
                      f"{case['memcpy_gbps']:>7.2f} {case['grpc_vs_ceiling']:>9.0%} "
                      f"{case['grpc_prebuilt_vs_ceiling']:>13.0%} {case['shm_vs_grpc']:>7.1f}x "
                      f"{case['shm_vs_memcpy']:>10.0%}")
+    lines.append("CPU time within the clock, ms, sender / receiver (the decode worker, or the ceiling's sink):")
+    lines.append(f"{'tokens':>7} " + " ".join(f"{name:>17}" for name in CPU_PATHS))
+    for case in result["cases"].values():
+        lines.append(f"{case['tokens']:>7} " + " ".join(
+            f"{case[f'{name}_sender_cpu_ms']:>8.1f}/{case[f'{name}_receiver_cpu_ms']:<8.1f}" for name in CPU_PATHS))
     exposed = result["exposed"]
     if exposed:
         lines.append(f"Exposed transfer at {exposed['tokens']} tokens: prefill call -> KV acknowledged, minus the "

@@ -385,6 +385,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             if isinstance(message, codec.Chunk):
                 receiver.accept_chunk(message)
                 continue
+            if isinstance(message, list):  # a KVTransfer.chunks
+                receiver.accept_chunks(message)
+                continue
             part = message.WhichOneof("part")
             if part == "chunk":
                 receiver.accept_chunk(message.chunk)

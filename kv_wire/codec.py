@@ -1,19 +1,26 @@
-"""Wire encoding of KVTransfer messages, with a copy-free path for the chunks that carry the KV bytes.
+"""Wire encoding of KVTransfer messages, with a one-copy path for the chunks that carry the KV bytes.
 
 Chunks are nearly all of a transfer's bytes, and the generic protobuf path copies them four times per side
-(into the message, into the outer message, into the serialised string, out of the parsed field). Here a
-chunk is encoded as standard protobuf bytes with a single copy (the join of a small prefix with the tensor's
-memory) and decoded into a view of the received buffer. Headers and trailers go through protobuf as usual.
-Any KVTransfer serialised by protobuf decodes here too, and the other way round.
+(into the message, into the outer message, into the serialised string, out of the parsed field). Here:
+- the sender lays a message out first (every size is known: the checksum is fixed64, written after the data),
+  then copies each piece of KV into place once, hashing it block by block as it goes (layout.copy_with_checksum);
+- the receiver decodes chunks into views of the received buffer.
+A message carries one chunk, or several (KVTransfer.chunks) where it spans a tensor boundary. Headers and
+trailers go through protobuf as usual. Any KVTransfer serialised by protobuf decodes here too, and the other way
+round.
 """
 
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 from google.protobuf.message import DecodeError
 
+from kv_wire.layout import copy_with_checksum
 from protos import decode_pb2
 from protos import kv_transfer_pb2 as pb
 
@@ -21,11 +28,14 @@ from protos import kv_transfer_pb2 as pb
 _method = decode_pb2.DESCRIPTOR.services_by_name["Decode"].methods_by_name["TransferKV"]
 TRANSFER_KV_METHOD = f"/{_method.containing_service.full_name}/{_method.name}"
 
-_CHUNK_TAG = b"\x12"  # KVTransfer.chunk: field 2, length-delimited
-_CHUNKS_TAG = b"\x22"  # KVTransfer.chunks: field 4, length-delimited
-_REPEATED_CHUNK_TAG = b"\x0a"  # KVChunks.chunk: field 1, length-delimited
-_DATA_TAG = b"\x22"  # KVChunk.data: field 4, length-delimited
-_VARINT_FIELDS = {1: "layer", 2: "kind", 3: "offset", 5: "checksum", 6: "length"}
+_CHUNK_TAG = 0x12  # KVTransfer.chunk: field 2, length-delimited
+_CHUNKS_TAG = 0x22  # KVTransfer.chunks: field 4, length-delimited
+_REPEATED_CHUNK_TAG = 0x0A  # KVChunks.chunk: field 1, length-delimited
+_DATA_TAG = 0x22  # KVChunk.data: field 4, length-delimited
+_CHECKSUM_TAG = 0x29  # KVChunk.checksum: field 5, fixed64
+# KVChunk's fields by (number, wire type); any other field is skipped, as protobuf skips unknown fields.
+_CHUNK_FIELDS = {(1, 0): "layer", (2, 0): "kind", (3, 0): "offset", (4, 2): "data", (5, 1): "checksum",
+                 (6, 0): "length"}
 
 
 @dataclass
@@ -41,13 +51,24 @@ class Chunk:
 
 
 @dataclass(frozen=True)
+class Piece:
+    """KV bytes to send as one chunk: their tensor (layer, kind), byte offset in it, and the bytes (uint8)."""
+
+    layer: int
+    kind: int
+    offset: int
+    source: np.ndarray
+
+
+@dataclass(frozen=True)
 class Malformed:
     """A message that is not a KVTransfer; the receiver refuses the stream with INVALID_ARGUMENT."""
 
     reason: str
 
 
-Received = pb.KVTransfer | Chunk | Malformed  # what the TransferKV handler's request iterator yields
+# What the TransferKV handler's request iterator yields; a list is the chunks of a KVTransfer.chunks.
+Received = pb.KVTransfer | Chunk | list[Chunk] | Malformed
 
 
 def transfer_kv(channel: grpc.aio.Channel) -> grpc.aio.StreamUnaryMultiCallable:
@@ -56,24 +77,30 @@ def transfer_kv(channel: grpc.aio.Channel) -> grpc.aio.StreamUnaryMultiCallable:
                                 response_deserializer=pb.KVTransferAck.FromString)
 
 
-def encode_chunk(layer: int, kind: int, offset: int, checksum: int, data: memoryview | None, length: int = 0) -> bytes:
-    """A serialised KVTransfer{chunk}: `data` (the bytes path) or `length` (shared memory), never both."""
-    fields = pb.KVChunk(layer=layer, kind=pb.KVKind.ValueType(kind), offset=offset, checksum=checksum,
-                        length=length).SerializeToString()
-    if data is None:
-        return _CHUNK_TAG + _varint(len(fields)) + fields
-    data_prefix = _DATA_TAG + _varint(len(data))
-    return b"".join((_CHUNK_TAG, _varint(len(fields) + len(data_prefix) + len(data)), fields, data_prefix, data))
+def encode_pieces(pieces: Sequence[Piece]) -> bytes:
+    """A serialised KVTransfer carrying `pieces` with their data: as its chunk, or as its chunks if several.
 
-
-def encode_chunks(chunks: list[bytes]) -> bytes:
-    """Serialised KVTransfer{chunk} messages (from encode_chunk) as one serialised KVTransfer{chunks}.
-
-    Each chunk keeps its encoding: only its field tag changes, from KVTransfer.chunk to KVChunks.chunk.
+    Every byte is copied once, from its tensor into the message, and hashed while the copy has it in cache.
+    Each chunk is laid out as: layer, kind, offset, data, checksum.
     """
-    assert chunks and all(chunk[:1] == _CHUNK_TAG for chunk in chunks), "encode_chunk's messages only"
-    body = b"".join(_REPEATED_CHUNK_TAG + memoryview(chunk)[1:] for chunk in chunks)
-    return _CHUNKS_TAG + _varint(len(body)) + body
+    assert pieces, "at least one piece"
+    heads = [pb.KVChunk(layer=p.layer, kind=pb.KVKind.ValueType(p.kind), offset=p.offset).SerializeToString()
+             + bytes([_DATA_TAG]) + _varint(len(p.source)) for p in pieces]
+    sizes = [len(head) + len(piece.source) + 9 for head, piece in zip(heads, pieces)]  # 9: checksum tag + 8 bytes
+    if len(pieces) == 1:
+        envelope, prefixes = b"", [bytes([_CHUNK_TAG]) + _varint(sizes[0])]
+    else:
+        prefixes = [bytes([_REPEATED_CHUNK_TAG]) + _varint(size) for size in sizes]
+        envelope = bytes([_CHUNKS_TAG]) + _varint(sum(map(len, prefixes)) + sum(sizes))
+    message, out = _blank_bytes(len(envelope) + sum(map(len, prefixes)) + sum(sizes))
+    position = _put(out, 0, envelope)
+    for prefix, head, piece in zip(prefixes, heads, pieces):
+        position = _put(out, position, prefix + head)
+        end = position + len(piece.source)
+        digest = copy_with_checksum(out[position:end], piece.source)
+        position = _put(out, end, bytes([_CHECKSUM_TAG]) + digest.to_bytes(8, "little"))
+    assert position == len(out)
+    return message
 
 
 def encode(message: pb.KVTransfer | bytes) -> bytes:
@@ -81,42 +108,76 @@ def encode(message: pb.KVTransfer | bytes) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
-def decode(raw: bytes) -> pb.KVTransfer | Chunk | Malformed:
+def decode(raw: bytes) -> Received:
     """The stream's deserializer. Never raises: a malformed message becomes Malformed."""
     view = memoryview(raw)
     try:
-        if view[:1] == _CHUNK_TAG:
+        if len(view) and view[0] in (_CHUNK_TAG, _CHUNKS_TAG):
             size, start = _read_varint(view, 1)
             if start + size == len(view):
-                return _decode_chunk(view[start:])
+                body = view[start:]
+                return _decode_chunk(body) if view[0] == _CHUNK_TAG else _decode_chunks(body)
         return pb.KVTransfer.FromString(raw)  # header, trailer, or an unusual but valid encoding
     except (DecodeError, ValueError, IndexError) as exc:
         return Malformed(f"undecodable KVTransfer message ({len(raw)} bytes): {exc}")
 
 
 def _decode_chunk(view: memoryview) -> Chunk:
-    chunk, position = Chunk(), 0
+    chunk = Chunk()
+    for number, wire_type, value in _fields(view):
+        if (number, wire_type) in _CHUNK_FIELDS:
+            setattr(chunk, _CHUNK_FIELDS[number, wire_type], value)
+    return chunk
+
+
+def _decode_chunks(view: memoryview) -> list[Chunk]:
+    return [_decode_chunk(value) for number, wire_type, value in _fields(view)
+            if (number, wire_type) == (1, 2) and isinstance(value, memoryview)]
+
+
+def _fields(view: memoryview) -> Iterator[tuple[int, int, int | memoryview]]:
+    """(field number, wire type, value) of each field of a serialised message; bytes fields as views."""
+    position = 0
     while position < len(view):
         key, position = _read_varint(view, position)
-        field, wire_type = key >> 3, key & 7
+        number, wire_type = key >> 3, key & 7
+        value: int | memoryview
         if wire_type == 0:
             value, position = _read_varint(view, position)
-            if field in _VARINT_FIELDS:
-                setattr(chunk, _VARINT_FIELDS[field], value)
+        elif wire_type in (1, 5):  # fixed64, fixed32
+            width = 8 if wire_type == 1 else 4
+            if position + width > len(view):
+                raise ValueError("fixed-width field runs past the message")
+            value, position = int.from_bytes(view[position : position + width], "little"), position + width
         elif wire_type == 2:
             size, position = _read_varint(view, position)
             if position + size > len(view):
                 raise ValueError("length-delimited field runs past the message")
-            if field == 4:
-                chunk.data = view[position : position + size]
-            position += size
-        elif wire_type in (1, 5):  # fixed64 / fixed32 fields unknown to this version: skip
-            position += 8 if wire_type == 1 else 4
+            value, position = view[position : position + size], position + size
         else:
-            raise ValueError(f"wire type {wire_type} in KVChunk")
-    if position != len(view):
-        raise ValueError("KVChunk ends mid-field")
-    return chunk
+            raise ValueError(f"wire type {wire_type} in field {number}")
+        yield number, wire_type, value
+
+
+# grpcio sends only `bytes`, which Python code cannot write into. A new bytes object may be filled by its creator
+# before anyone else sees it (what PyBytes_FromStringAndSize(NULL, size) is for), so messages are built in place
+# instead of joined from their parts, which would copy every KV byte a second time.
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.argtypes, _new_bytes.restype = (ctypes.c_void_p, ctypes.c_ssize_t), ctypes.py_object
+_bytes_address = ctypes.pythonapi.PyBytes_AsString
+_bytes_address.argtypes, _bytes_address.restype = (ctypes.py_object,), ctypes.c_void_p
+
+
+def _blank_bytes(size: int) -> tuple[bytes, np.ndarray]:
+    """A new, unfilled bytes object of `size`, and a writable uint8 array over its contents: fill it all."""
+    message = _new_bytes(None, size)
+    contents = (ctypes.c_ubyte * size).from_address(_bytes_address(message))
+    return message, np.frombuffer(memoryview(contents), dtype=np.uint8)
+
+
+def _put(out: np.ndarray, position: int, data: bytes) -> int:
+    out[position : position + len(data)] = np.frombuffer(data, dtype=np.uint8)
+    return position + len(data)
 
 
 def _varint(value: int) -> bytes:

@@ -151,7 +151,7 @@ class KVReceiver:
         self.bytes_received += size
         self.chunks_received += 1
 
-    def accept_chunks(self, chunks: Sequence[pb.KVChunk]) -> None:
+    def accept_chunks(self, chunks: Sequence[pb.KVChunk | Chunk]) -> None:
         """A KVChunks message: each chunk checked in turn, as if it came alone."""
         if not chunks:
             raise self.fail(grpc.StatusCode.INVALID_ARGUMENT, "a chunks message with no chunk")

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+import numpy as np
 import torch
 
 from kv_wire import codec
 from kv_wire.buffers import LentSegment
-from kv_wire.layout import WIRE_DTYPES, KVLayout, KVTransferError, TransferState, checksum, copy_with_checksum
+from kv_wire.layout import WIRE_DTYPES, KVLayout, KVTransferError, TransferState, copy_with_checksum
 from protos import kv_transfer_pb2 as pb
 
 _KINDS = (pb.KV_KIND_KEYS, pb.KV_KIND_VALUES)
@@ -19,7 +20,7 @@ _KINDS = (pb.KV_KIND_KEYS, pb.KV_KIND_VALUES)
 
 @dataclass
 class KVSender:
-    """Encodes one request's KV. Feed it layers in order; it yields the wire messages and counts what it sent.
+    """Encodes one request's KV. Feed it layers in order; it gives the wire messages and counts what it sent.
 
     With a `segment` (the same-host fast path) each chunk's bytes are written into decode's shared-memory
     segment and the message carries only where they are and their checksum.
@@ -56,32 +57,69 @@ class KVSender:
     def transport(self) -> str:
         return "grpc" if self.segment is None else "shm"
 
-    def layer(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> list[bytes]:
-        """The chunks of one layer, serialised; keys and values are (num_kv_heads, num_tokens, head_dim)."""
-        if self.segment is not None and not self.segment.still_lent():
-            raise KVTransferError(grpc.StatusCode.CANCELLED,
-                                  "decode took its shared-memory segment back (reservation released)")
-        messages = []
-        for kind, tensor in zip(_KINDS, (keys, values)):
-            # flat bytes; copies only for a GPU tensor, a downcast or a non-contiguous view
-            wire = tensor.detach().to("cpu", WIRE_DTYPES[self.layout.dtype]).contiguous()
-            raw = wire.view(-1).view(torch.uint8).numpy()
-            base = (index * 2 + kind - 1) * self.layout.tensor_bytes  # kind is 1 (keys) or 2 (values)
-            # Chunks hold whole elements. In shared memory a chunk is only the unit of checksumming: one per
-            # tensor, fewer messages.
-            whole = self.chunk_bytes - self.chunk_bytes % wire.element_size() or wire.element_size()
-            step = whole if self.segment is None else max(len(raw), 1)
-            for offset in range(0, len(raw), step):
-                piece = raw[offset : offset + step]
-                if self.segment is None:
-                    messages.append(codec.encode_chunk(index, kind, offset, checksum(piece), piece.data))
-                else:
-                    target = self.segment.data[base + offset : base + offset + len(piece)]
-                    digest = copy_with_checksum(target, piece)
-                    messages.append(codec.encode_chunk(index, kind, offset, digest, None, len(piece)))
-                self.bytes_sent += len(piece)
-                self.chunks_sent += 1
-        return messages
+    def encode(self, layers: Sequence[Layer]) -> Iterator[bytes]:
+        """The messages carrying `layers` (the next ones, in order), each built when the one before is taken.
+
+        gRPC: every message carries chunk_bytes of KV, cut across tensor boundaries, except the last, which
+        carries what is left. Built lazily, a message reuses the memory its predecessor freed, still in cache.
+        Shared memory: each tensor is written into the segment; messages carry up to SHM_BATCH_BYTES of KV's
+        descriptors (and at least one).
+        """
+        if self.segment is None:
+            for pieces in self._pack(layers):
+                self.chunks_sent += len(pieces)
+                yield codec.encode_pieces(pieces)
+        else:
+            for batch in self._write_to_segment(layers):
+                self.chunks_sent += len(batch)
+                yield pb.KVTransfer(chunks=pb.KVChunks(chunk=batch)).SerializeToString()
+
+    def _pack(self, layers: Sequence[Layer]) -> Iterator[list[codec.Piece]]:
+        """The tensors' bytes in messages of chunk_bytes (the last one shorter); chunks hold whole elements."""
+        itemsize = WIRE_DTYPES[self.layout.dtype].itemsize
+        full = max(self.chunk_bytes - self.chunk_bytes % itemsize, itemsize)
+        pieces: list[codec.Piece] = []
+        room = full
+        for index, kind, raw in self._tensors(layers):
+            offset = 0
+            while offset < len(raw):
+                size = min(room, len(raw) - offset)  # both whole elements, so size is too
+                pieces.append(codec.Piece(index, kind, offset, raw[offset : offset + size]))
+                self.bytes_sent += size
+                offset, room = offset + size, room - size
+                if not room:
+                    yield pieces
+                    pieces, room = [], full
+        if pieces:
+            yield pieces
+
+    def _write_to_segment(self, layers: Sequence[Layer]) -> Iterator[list[pb.KVChunk]]:
+        """Each tensor copied into its place in decode's segment, described by one chunk (the unit of checksum)."""
+        assert self.segment is not None
+        batch: list[pb.KVChunk] = []
+        for index, kind, raw in self._tensors(layers):
+            if not self.segment.still_lent():
+                raise KVTransferError(grpc.StatusCode.CANCELLED,
+                                      "decode took its shared-memory segment back (reservation released)")
+            start = (index * 2 + kind - 1) * self.layout.tensor_bytes  # kind is 1 (keys) or 2 (values)
+            digest = copy_with_checksum(self.segment.data[start : start + len(raw)], raw)
+            batch.append(pb.KVChunk(layer=index, kind=pb.KVKind.ValueType(kind), offset=0, length=len(raw),
+                                    checksum=digest))
+            self.bytes_sent += len(raw)
+            if len(batch) * self.layout.tensor_bytes >= SHM_BATCH_BYTES:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+    def _tensors(self, layers: Sequence[Layer]) -> Iterator[tuple[int, int, np.ndarray]]:
+        """(layer, kind, the tensor's bytes in the wire dtype) in wire order; keys and values are
+        (num_kv_heads, num_tokens, head_dim)."""
+        for index, keys, values in layers:
+            for kind, tensor in zip(_KINDS, (keys, values)):
+                # copies only for a GPU tensor, a downcast or a non-contiguous view
+                wire = tensor.detach().to("cpu", WIRE_DTYPES[self.layout.dtype]).contiguous()
+                yield index, kind, wire.view(-1).view(torch.uint8).numpy()
 
     def trailer(self, first_token: int) -> pb.KVTransfer:
         return pb.KVTransfer(trailer=pb.KVTrailer(
@@ -89,7 +127,7 @@ class KVSender:
         ))
 
 
-# Shared-memory streams send the descriptors of the layers already written in one message, covering up to
+# Shared-memory streams send the descriptors of the tensors already written in one message, covering up to
 # this much KV: fewer messages, while decode verifies one batch as the next is written. Measured on the
 # reference machine with every layer ready: 512 tokens 4.5 ms one layer a message, 3.6 ms in 4 MiB batches;
 # 2048 tokens 9.9 and 9.6 ms, and 11.6 ms in a single batch (decode then verifies only after the last write).
@@ -97,33 +135,30 @@ SHM_BATCH_BYTES = 4 << 20
 
 # What prefill hands the stream: a finished layer (layer, keys, values), then the first token, which closes the
 # stream; None instead ends it early (the request was cancelled).
-Item = tuple[int, torch.Tensor, torch.Tensor] | int | None
+Layer = tuple[int, torch.Tensor, torch.Tensor]
+Item = Layer | int | None
 
 
 async def encode_stream(sender: KVSender, items: asyncio.Queue[Item]) -> AsyncIterator[pb.KVTransfer | bytes]:
-    """The whole request stream: header, each layer's chunks as the layer arrives in `items`, then the trailer.
+    """The whole request stream: header, the KV of each layer as it arrives in `items`, then the trailer.
 
-    On the gRPC path every chunk is a message. On the shared-memory path one message carries the descriptors of
-    every layer already waiting (up to SHM_BATCH_BYTES of KV); a layer that arrives alone goes alone.
+    Each round sends every layer already waiting, packed (KVSender.encode); a layer that arrives alone goes alone,
+    so nothing waits for a layer the forward pass has not produced yet.
     Send it with `codec.transfer_kv(channel)`, whose serializer passes the pre-encoded chunks through.
     """
     yield sender.header()
-    pending: list[bytes] = []  # shared memory: descriptors of layers written, not yet sent
     while True:
-        if pending and (items.empty() or len(pending) * sender.layout.tensor_bytes >= SHM_BATCH_BYTES):
-            yield codec.encode_chunks(pending)
-            pending = []
+        layers: list[Layer] = []
         item = await items.get()
+        while isinstance(item, tuple) and not items.empty():
+            layers.append(item)
+            item = items.get_nowait()
+        if isinstance(item, tuple):
+            layers.append(item)
         if item is None:  # cancelled: the request stream ends, so gRPC's task reading it ends too
             return
-        if isinstance(item, int):
-            if pending:
-                yield codec.encode_chunks(pending)
+        for message in sender.encode(layers):
+            yield message
+        if isinstance(item, int):  # the first token: the last layer was sent
             yield sender.trailer(item)
             return
-        chunks = sender.layer(*item)
-        if sender.segment is None:
-            for chunk in chunks:
-                yield chunk
-        else:
-            pending += chunks

@@ -44,7 +44,7 @@ def _kv_stream(stub, request_id: str, token: str, fingerprint: str | None = None
     messages = [sender.header()]
     for layer in range(model.num_layers):
         shape = (model.num_kv_heads, PROMPT_TOKENS, model.head_dim)
-        chunks = sender.layer(layer, torch.randn(shape), torch.randn(shape))
+        chunks = sender.encode([(layer, torch.randn(shape), torch.randn(shape))])  # as each layer is produced
         messages += map(kv_transfer_pb2.KVTransfer.FromString, chunks)
     return messages + [sender.trailer(first_token=42)]
 
@@ -60,8 +60,8 @@ def _shm_kv_stream(stub, request_id: str, token: str, segment: str, layers: int 
     messages = [sender.header()]
     for layer in range(model.num_layers if layers is None else layers):
         shape = (model.num_kv_heads, PROMPT_TOKENS, model.head_dim)
-        messages += map(kv_transfer_pb2.KVTransfer.FromString, sender.layer(layer, torch.randn(shape),
-                                                                             torch.randn(shape)))
+        messages += map(kv_transfer_pb2.KVTransfer.FromString,
+                        sender.encode([(layer, torch.randn(shape), torch.randn(shape))]))
     return messages + ([sender.trailer(first_token=42)] if layers is None else []), lent
 
 

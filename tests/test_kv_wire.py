@@ -55,18 +55,29 @@ def _segment(transport: str, nbytes: int) -> Iterator[Buffer | None]:
         SEGMENTS.release(segment)
 
 
-def _encode(
+def _wire(
     spec: ModelSpec, kv: list[tuple[torch.Tensor, torch.Tensor]], tokens: int, chunk: int,
     segment: Buffer | None = None, wire_dtype: str = "",
-) -> list[pb.KVTransfer]:
+) -> tuple[KVSender, list[bytes]]:
+    """The sender, and the messages it sends between header and trailer when every layer is waiting."""
     layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, tokens, wire_dtype or spec.dtype)
     lent = SegmentMaps().open(segment.name, "token", layout.total_bytes) if segment and segment.name else None
     assert (segment is None) == (lent is None), "the segment must open as the one lent to 'token'"
     sender = KVSender("r1", "token", spec.fingerprint, layout, chunk, segment=lent)
-    messages = [sender.header()]
-    for i, (k, v) in enumerate(kv):
-        messages += map(pb.KVTransfer.FromString, sender.layer(i, k, v))  # plain protobuf can read the chunks
-    return messages + [sender.trailer(7)]
+    sender.header()
+    return sender, list(sender.encode([(i, k, v) for i, (k, v) in enumerate(kv)]))
+
+
+def _encode(
+    spec: ModelSpec, kv: list[tuple[torch.Tensor, torch.Tensor]], tokens: int, chunk: int,
+    segment: Buffer | None = None, wire_dtype: str = "",
+) -> list[pb.KVTransfer]:
+    """Header, one chunk a message (the receiver takes a KVChunks' chunks as if they came alone), trailer."""
+    sender, wire = _wire(spec, kv, tokens, chunk, segment, wire_dtype)
+    chunks = []
+    for message in map(pb.KVTransfer.FromString, wire):  # plain protobuf can read the codec's messages
+        chunks += [message] if message.HasField("chunk") else [pb.KVTransfer(chunk=c) for c in message.chunks.chunk]
+    return [sender.header(), *chunks, sender.trailer(7)]
 
 
 def _random_kv(spec: ModelSpec, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -98,20 +109,31 @@ def test_round_trip_is_bit_exact(
     kv = _random_kv(spec, tokens)
     nbytes = sum(k.nbytes + v.nbytes for k, v in kv)
     with _segment(transport, nbytes) as segment:
-        messages = _encode(spec, kv, tokens, chunk, segment)
-        assert messages[0].header.shm == (transport == "shm")
-        sizes = [m.chunk.length if transport == "shm" else len(m.chunk.data) for m in messages[1:-1]]
+        sender, wire = _wire(spec, kv, tokens, chunk, segment)
+        assert sender.header().header.shm == (transport == "shm")
+        decoded = [codec.decode(message) for message in wire]  # as decode receives them: chunks as views
+        messages = [[m] if isinstance(m, codec.Chunk) else m for m in decoded]
+        assert all(isinstance(c, codec.Chunk) for m in messages for c in m)
+        chunks = [c for m in messages for c in m]
+        sizes = [c.length if transport == "shm" else len(c.data) for c in chunks]
         assert sum(sizes) == nbytes
-        if transport == "grpc":  # chunks hold whole elements
+        if transport == "grpc":  # every message full but the last, chunks of whole elements across tensors
             itemsize = WIRE_DTYPES[dtype].itemsize
-            assert max(sizes) <= max(chunk - chunk % itemsize, itemsize)
+            full = max(chunk - chunk % itemsize, itemsize)
+            carried = [sum(len(c.data) for c in m) for m in messages]
+            assert carried[:-1] == [full] * (len(carried) - 1) and 0 < carried[-1] <= full
+            assert all(size % itemsize == 0 for size in sizes)
         else:  # only descriptors on the wire, one per tensor
-            assert all(not m.chunk.data for m in messages[1:-1]) and len(sizes) == 2 * layers
-        receiver, received = _decode(spec, messages, tokens, segment)
-        # Nothing copied on this side: the pieces are the received messages (one per chunk), or the segment.
+            assert all(not c.data for c in chunks) and len(chunks) == 2 * layers
+        receiver = KVReceiver(spec, 1 << 22)
+        receiver.accept_header(sender.header().header, tokens, segment)
+        for message in messages:
+            receiver.accept_chunks(message)
+        received = receiver.finish(sender.trailer(7).trailer)
+        # Nothing copied on this side: the pieces are views of the received messages, or the segment.
         assert received.in_segment == (transport == "shm")
         if transport == "grpc":
-            assert sum(map(len, received.pieces)) == len(messages) - 2
+            assert sum(map(len, received.pieces)) == len(chunks)
         else:
             assert received.pieces[0][0][1].data_ptr() == buffers.data_region(segment, nbytes).ctypes.data
         assert receiver.state is TransferState.COMPLETE
@@ -138,36 +160,43 @@ def test_blockwise_copy_hashes_exactly_what_it_copied(size: int, seed: int) -> N
     assert np.array_equal(target[:size], source) and target[size] == 0
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("arrival", ["all_waiting", "one_by_one"])
-def test_shm_stream_sends_the_descriptors_of_waiting_layers_together(arrival: str, monkeypatch) -> None:
-    """encode_stream batches shm descriptors of layers already queued (up to SHM_BATCH_BYTES of KV); a layer that
-    arrives alone goes alone. The batched stream decodes to the same KV."""
+def test_stream_packs_the_layers_already_waiting(arrival: str, transport: str, monkeypatch) -> None:
+    """encode_stream packs the layers already queued: gRPC messages full across tensor and layer boundaries, shm
+    descriptors up to SHM_BATCH_BYTES of KV a message. A layer that arrives alone goes alone, never waiting for the
+    next. Either way the stream decodes to the same KV."""
     spec, tokens = _spec(4, 2, 8, "float32"), 5
     layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, tokens, spec.dtype)
-    monkeypatch.setattr(sender_module, "SHM_BATCH_BYTES", 3 * layout.tensor_bytes)  # flush from 2 layers on
+    monkeypatch.setattr(sender_module, "SHM_BATCH_BYTES", 3 * layout.tensor_bytes)  # 3 descriptors a message
+    chunk = 3 * layout.tensor_bytes // 4  # a gRPC message holds 3/4 of a tensor: boundaries fall mid-message
     kv = _random_kv(spec, tokens)
 
     async def stream(lent) -> list[bytes | pb.KVTransfer]:
         items: asyncio.Queue = asyncio.Queue()
-        messages = encode_stream(KVSender("r1", "token", spec.fingerprint, layout, 64, segment=lent), items)
+        messages = encode_stream(KVSender("r1", "token", spec.fingerprint, layout, chunk, segment=lent), items)
         out = [await anext(messages)]  # the header
         for index, (keys, values) in enumerate(kv):
             items.put_nowait((index, keys, values))
-            if arrival == "one_by_one":
-                out.append(await anext(messages))  # this layer's descriptors, sent before the next layer exists
+            if arrival == "one_by_one":  # this layer's messages, sent before the next layer exists
+                out += [await anext(messages) for _ in range(3 if transport == "grpc" else 1)]
         items.put_nowait(7)
         return out + [message async for message in messages]
 
-    with _segment("shm", layout.total_bytes) as segment:
-        assert segment is not None
-        lent = SegmentMaps().open(segment.name, "token", layout.total_bytes)
+    with _segment(transport, layout.total_bytes) as segment:
+        lent = SegmentMaps().open(segment.name, "token", layout.total_bytes) if segment and segment.name else None
         wire = [m if isinstance(m, pb.KVTransfer) else pb.KVTransfer.FromString(m) for m in asyncio.run(stream(lent))]
-        batches = [len(m.chunks.chunk) for m in wire[1:-1]]
-        assert batches == ([4, 4] if arrival == "all_waiting" else [2, 2, 2, 2])  # 2 descriptors (K, V) a layer
+        chunks = [[m.chunk] if m.HasField("chunk") else list(m.chunks.chunk) for m in wire[1:-1]]
+        if transport == "shm":
+            expected = [3, 3, 2] if arrival == "all_waiting" else [2, 2, 2, 2]  # descriptors a message
+            assert [len(m) for m in chunks] == expected
+        else:  # KV bytes a message, in quarters of a tensor: a layer is 8 quarters
+            quarters = [sum(len(c.data) for c in m) * 4 // layout.tensor_bytes for m in chunks]
+            assert quarters == ([3] * 10 + [2] if arrival == "all_waiting" else [3, 3, 2] * 4)
         receiver = KVReceiver(spec, 1 << 20)
         receiver.accept_header(wire[0].header, tokens, segment)
-        for message in wire[1:-1]:
-            receiver.accept_chunks(message.chunks.chunk)
+        for message in chunks:
+            receiver.accept_chunks(message)
         received = receiver.finish(wire[-1].trailer)
         for (k, v), (k2, v2) in zip(kv, received.layers()):
             assert torch.equal(k, k2) and torch.equal(v, v2)
@@ -184,7 +213,7 @@ def _good(segment: Buffer | None = None) -> list[pb.KVTransfer]:
 
 
 # Each damage takes the messages and the lent segment (None on the gRPC path) and returns the damaged stream.
-# Messages: header, chunks (4 on the shm path: one per tensor; 13 on the gRPC path), trailer.
+# Messages: header, chunks (4 on the shm path: one per tensor; 20 on the gRPC path), trailer.
 def _corrupt(messages: list[pb.KVTransfer], segment: Buffer | None) -> list[pb.KVTransfer]:
     chunk = messages[3].chunk
     if segment is None:
@@ -295,11 +324,11 @@ def test_sender_stops_writing_once_decode_takes_the_segment_back() -> None:
         lent = SegmentMaps().open(segment.name, "token", layout.total_bytes)
         assert lent is not None and SegmentMaps().open(segment.name, "other-token", layout.total_bytes) is None
         sender = KVSender("r1", "token", SPEC.fingerprint, layout, 64, segment=lent)
-        sender.layer(0, *kv[0])
+        list(sender.encode([(0, *kv[0])]))
         buffers.stamp(segment, None)  # decode released the reservation
         before = segment.array.copy()
         with pytest.raises(KVTransferError) as stopped:
-            sender.layer(1, *kv[1])
+            list(sender.encode([(1, *kv[1])]))
         assert stopped.value.code == grpc.StatusCode.CANCELLED
         assert np.array_equal(before, segment.array)  # layer 1 never written
 
@@ -371,10 +400,18 @@ def test_bfloat16_model_refuses_float16_wire() -> None:
 
 
 def test_codec_reads_protobuf_chunks_and_protobuf_reads_codec_chunks() -> None:
-    data = bytes(range(256)) * 5
-    fast = codec.encode_chunk(3, pb.KV_KIND_VALUES, 4096, 1234, memoryview(data))
-    assert pb.KVTransfer.FromString(fast).chunk == pb.KVChunk(layer=3, kind=pb.KV_KIND_VALUES, offset=4096, data=data,
-                                                               checksum=1234)
+    data = np.frombuffer(bytes(range(256)) * 5, dtype=np.uint8)
+    one = codec.encode_pieces([codec.Piece(3, pb.KV_KIND_VALUES, 4096, data)])
+    assert pb.KVTransfer.FromString(one).chunk == pb.KVChunk(layer=3, kind=pb.KV_KIND_VALUES, offset=4096,
+                                                              data=data.tobytes(), checksum=checksum(data))
+    several = codec.encode_pieces([codec.Piece(3, pb.KV_KIND_VALUES, 4096, data[:8]),
+                                   codec.Piece(4, pb.KV_KIND_KEYS, 0, data[8:])])
+    assert list(pb.KVTransfer.FromString(several).chunks.chunk) == [
+        pb.KVChunk(layer=3, kind=pb.KV_KIND_VALUES, offset=4096, data=data[:8].tobytes(), checksum=checksum(data[:8])),
+        pb.KVChunk(layer=4, kind=pb.KV_KIND_KEYS, offset=0, data=data[8:].tobytes(), checksum=checksum(data[8:]))]
+    decoded = codec.decode(several)
+    assert isinstance(decoded, list) and [(c.layer, c.offset, bytes(c.data), c.checksum) for c in decoded] == [
+        (3, 4096, data[:8].tobytes(), checksum(data[:8])), (4, 0, data[8:].tobytes(), checksum(data[8:]))]
     # protobuf's own encoding, with a field this version does not know (a newer sender), decodes on the fast path
     generic = pb.KVTransfer(chunk=pb.KVChunk(layer=1, kind=pb.KV_KIND_KEYS, offset=8, length=64, checksum=9))
     raw = generic.SerializeToString()
@@ -389,6 +426,8 @@ def test_codec_reads_protobuf_chunks_and_protobuf_reads_codec_chunks() -> None:
     b"\x12\x05\x08",  # chunk shorter than its length
     b"\x12\x03\x22\x7f\x00",  # data field runs past the message
     b"\x12\x02\x0b\x00",  # wire type 3 (groups) in a chunk
+    b"\x12\x05\x29\x01\x02\x03\x04",  # fixed64 checksum cut short
+    b"\x22\x04\x0a\x02\x0b\x00",  # a chunks message whose chunk is malformed
     b"\xff\xff\xff",  # not protobuf at all
 ])
 def test_codec_turns_garbage_into_malformed_never_an_exception(raw: bytes) -> None:
