@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kv_wire import buffers, codec
-from kv_wire.buffers import SegmentMaps
+from kv_wire.buffers import LentSegment, SegmentMaps
 from kv_wire.layout import KVLayout
 from kv_wire.sender import KVSender
 from pdserve.client import generate
@@ -37,32 +37,30 @@ def _reserve(stub, request_id: str, max_tokens: int = 4):
     return call, next(call).reserved.token
 
 
-def _kv_stream(stub, request_id: str, token: str, fingerprint: str | None = None) -> list[kv_transfer_pb2.KVTransfer]:
+def _layout(stub) -> tuple[worker_pb2.ModelInfo, KVLayout]:
     model = stub.GetInfo(worker_pb2.WorkerInfoRequest()).model
-    layout = KVLayout(model.num_layers, model.num_kv_heads, model.head_dim, PROMPT_TOKENS, model.dtype)
-    sender = KVSender(request_id, token, fingerprint or model.fingerprint, layout, chunk_bytes=256)
+    return model, KVLayout(model.num_layers, model.num_kv_heads, model.head_dim, PROMPT_TOKENS, model.dtype)
+
+
+def _kv_stream(stub, request_id: str, token: str, fingerprint: str | None = None, segment: LentSegment | None = None,
+               layers: int | None = None) -> list[kv_transfer_pb2.KVTransfer]:
+    """As prefill sends it, one layer at a time as each is produced; into `segment` if given (descriptors on the
+    wire). With `layers`, only that many layers are sent, and the stream stops there (a writer that never
+    finished)."""
+    model, layout = _layout(stub)
+    sender = KVSender(request_id, token, fingerprint or model.fingerprint, layout, chunk_bytes=256, segment=segment)
     messages = [sender.header()]
-    for layer in range(model.num_layers):
-        shape = (model.num_kv_heads, PROMPT_TOKENS, model.head_dim)
-        chunks = sender.encode([(layer, torch.randn(shape), torch.randn(shape))])  # as each layer is produced
+    for layer in range(model.num_layers if layers is None else layers):
+        chunks = sender.encode([(layer, torch.randn(layout.tensor_shape), torch.randn(layout.tensor_shape))])
         messages += map(kv_transfer_pb2.KVTransfer.FromString, chunks)
-    return messages + [sender.trailer(first_token=42)]
+    return messages + ([sender.trailer(first_token=42)] if layers is None else [])
 
 
 def _shm_kv_stream(stub, request_id: str, token: str, segment: str, layers: int | None = None):
-    """As prefill on this host sends it: KV written into the lent segment, descriptors on the wire. With `layers`,
-    only that many layers are written, and the stream stops there (a writer that never finished)."""
-    model = stub.GetInfo(worker_pb2.WorkerInfoRequest()).model
-    layout = KVLayout(model.num_layers, model.num_kv_heads, model.head_dim, PROMPT_TOKENS, model.dtype)
-    lent = SegmentMaps().open(segment, token, layout.total_bytes)
+    """_kv_stream written into the reservation's lent segment, and the segment as this process opened it."""
+    lent = SegmentMaps().open(segment, token, _layout(stub)[1].total_bytes)
     assert lent is not None, "the reservation's segment opens from this process"
-    sender = KVSender(request_id, token, model.fingerprint, layout, chunk_bytes=256, segment=lent)
-    messages = [sender.header()]
-    for layer in range(model.num_layers if layers is None else layers):
-        shape = (model.num_kv_heads, PROMPT_TOKENS, model.head_dim)
-        messages += map(kv_transfer_pb2.KVTransfer.FromString,
-                        sender.encode([(layer, torch.randn(shape), torch.randn(shape))]))
-    return messages + ([sender.trailer(first_token=42)] if layers is None else []), lent
+    return _kv_stream(stub, request_id, token, segment=lent, layers=layers), lent
 
 
 def _refused(call_kv, messages) -> grpc.StatusCode:

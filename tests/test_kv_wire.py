@@ -58,14 +58,15 @@ def _segment(transport: str, nbytes: int) -> Iterator[Buffer | None]:
 def _wire(
     spec: ModelSpec, kv: list[tuple[torch.Tensor, torch.Tensor]], tokens: int, chunk: int,
     segment: Buffer | None = None, wire_dtype: str = "",
-) -> tuple[KVSender, list[bytes]]:
-    """The sender, and the messages it sends between header and trailer when every layer is waiting."""
+) -> tuple[pb.KVTransfer, list[bytes], pb.KVTransfer]:
+    """Header, the messages the sender sends when every layer is waiting, trailer."""
     layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, tokens, wire_dtype or spec.dtype)
     lent = SegmentMaps().open(segment.name, "token", layout.total_bytes) if segment and segment.name else None
     assert (segment is None) == (lent is None), "the segment must open as the one lent to 'token'"
     sender = KVSender("r1", "token", spec.fingerprint, layout, chunk, segment=lent)
-    sender.header()
-    return sender, list(sender.encode([(i, k, v) for i, (k, v) in enumerate(kv)]))
+    header = sender.header()
+    messages = list(sender.encode([(i, k, v) for i, (k, v) in enumerate(kv)]))
+    return header, messages, sender.trailer(7)
 
 
 def _encode(
@@ -73,11 +74,11 @@ def _encode(
     segment: Buffer | None = None, wire_dtype: str = "",
 ) -> list[pb.KVTransfer]:
     """Header, one chunk a message (the receiver takes a KVChunks' chunks as if they came alone), trailer."""
-    sender, wire = _wire(spec, kv, tokens, chunk, segment, wire_dtype)
+    header, wire, trailer = _wire(spec, kv, tokens, chunk, segment, wire_dtype)
     chunks = []
     for message in map(pb.KVTransfer.FromString, wire):  # plain protobuf can read the codec's messages
         chunks += [message] if message.HasField("chunk") else [pb.KVTransfer(chunk=c) for c in message.chunks.chunk]
-    return [sender.header(), *chunks, sender.trailer(7)]
+    return [header, *chunks, trailer]
 
 
 def _random_kv(spec: ModelSpec, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -109,8 +110,8 @@ def test_round_trip_is_bit_exact(
     kv = _random_kv(spec, tokens)
     nbytes = sum(k.nbytes + v.nbytes for k, v in kv)
     with _segment(transport, nbytes) as segment:
-        sender, wire = _wire(spec, kv, tokens, chunk, segment)
-        assert sender.header().header.shm == (transport == "shm")
+        header, wire, trailer = _wire(spec, kv, tokens, chunk, segment)
+        assert header.header.shm == (transport == "shm")
         decoded = [codec.decode(message) for message in wire]  # as decode receives them: chunks as views
         messages = [[m] if isinstance(m, codec.Chunk) else m for m in decoded]
         assert all(isinstance(c, codec.Chunk) for m in messages for c in m)
@@ -126,10 +127,10 @@ def test_round_trip_is_bit_exact(
         else:  # only descriptors on the wire, one per tensor
             assert all(not c.data for c in chunks) and len(chunks) == 2 * layers
         receiver = KVReceiver(spec, 1 << 22)
-        receiver.accept_header(sender.header().header, tokens, segment)
+        receiver.accept_header(header.header, tokens, segment)
         for message in messages:
             receiver.accept_chunks(message)
-        received = receiver.finish(sender.trailer(7).trailer)
+        received = receiver.finish(trailer.trailer)
         # Nothing copied on this side: the pieces are views of the received messages, or the segment.
         assert received.in_segment == (transport == "shm")
         if transport == "grpc":
