@@ -41,7 +41,7 @@ from decode_service.reservations import (
 )
 from kv_wire import buffers, codec
 from kv_wire.buffers import Buffer, BufferPool
-from kv_wire.layout import DEFAULT_CHUNK_BYTES, KVTransferError, TransferState
+from kv_wire.layout import MAX_CHUNK_BYTES, KVTransferError, TransferState
 from kv_wire.receiver import KVReceiver, ReceivedKV
 from model_runner.forward import warm_up
 from model_runner.loading import LoadedModel, ModelConfig, add_model_args, model_config
@@ -62,7 +62,7 @@ class DecodeConfig:
     max_seqs: int = 8
     kv_budget_mb: float = 0  # 0 = enough for every slot at the full context length
     lease_s: float = 30.0
-    max_chunk_bytes: int = 4 * DEFAULT_CHUNK_BYTES
+    max_chunk_bytes: int = MAX_CHUNK_BYTES
     kv_shm: bool = True  # lend shared-memory segments, so a prefill worker on this host skips the wire
     prefill_chunk: int = 256  # colocated prompts: most tokens of a long prompt prefilled between two decode steps
     prefill_batch_tokens: int = 256  # colocated short prompts share a pass within this many padded tokens
@@ -108,7 +108,7 @@ class DecodeConfig:
                            help="KV memory reservations may draw on (0: every slot at full context)")
         group.add_argument("--lease", type=float, default=30.0, dest="lease_s",
                            help="seconds a reservation waits for its KV (default: %(default)s)")
-        group.add_argument("--max-chunk-bytes", type=int, default=4 * DEFAULT_CHUNK_BYTES,
+        group.add_argument("--max-chunk-bytes", type=int, default=MAX_CHUNK_BYTES,
                            help="largest KV chunk accepted (default: %(default)s)")
         group.add_argument("--no-kv-shm", action="store_false", dest="kv_shm",
                            help="lend no shared-memory segments: every KV byte comes over gRPC")

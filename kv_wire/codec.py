@@ -31,8 +31,9 @@ TRANSFER_KV_METHOD = f"/{_method.containing_service.full_name}/{_method.name}"
 _CHUNK_TAG = 0x12  # KVTransfer.chunk: field 2, length-delimited
 _CHUNKS_TAG = 0x22  # KVTransfer.chunks: field 4, length-delimited
 _REPEATED_CHUNK_TAG = 0x0A  # KVChunks.chunk: field 1, length-delimited
+_LAYER_TAG, _KIND_TAG, _OFFSET_TAG = b"\x08", b"\x10", b"\x18"  # KVChunk fields 1-3, varints
 _DATA_TAG = 0x22  # KVChunk.data: field 4, length-delimited
-_CHECKSUM_TAG = 0x29  # KVChunk.checksum: field 5, fixed64
+_CHECKSUM_PREFIX = b"\x29"  # KVChunk.checksum: field 5, fixed64
 # KVChunk's fields by (number, wire type); any other field is skipped, as protobuf skips unknown fields.
 _CHUNK_FIELDS = {(1, 0): "layer", (2, 0): "kind", (3, 0): "offset", (4, 2): "data", (5, 1): "checksum",
                  (6, 0): "length"}
@@ -81,11 +82,10 @@ def encode_pieces(pieces: Sequence[Piece]) -> bytes:
     """A serialised KVTransfer carrying `pieces` with their data: as its chunk, or as its chunks if several.
 
     Every byte is copied once, from its tensor into the message, and hashed while the copy has it in cache.
-    Each chunk is laid out as: layer, kind, offset, data, checksum.
+    Each chunk is laid out as: layer, kind, offset, data, checksum (the bytes protobuf would write).
     """
     assert pieces, "at least one piece"
-    heads = [pb.KVChunk(layer=p.layer, kind=pb.KVKind.ValueType(p.kind), offset=p.offset).SerializeToString()
-             + bytes([_DATA_TAG]) + _varint(len(p.source)) for p in pieces]
+    heads = [_chunk_head(p.layer, p.kind, p.offset, len(p.source)) for p in pieces]
     sizes = [len(head) + len(piece.source) + 9 for head, piece in zip(heads, pieces)]  # 9: checksum tag + 8 bytes
     if len(pieces) == 1:
         envelope, prefixes = b"", [bytes([_CHUNK_TAG]) + _varint(sizes[0])]
@@ -93,12 +93,16 @@ def encode_pieces(pieces: Sequence[Piece]) -> bytes:
         prefixes = [bytes([_REPEATED_CHUNK_TAG]) + _varint(size) for size in sizes]
         envelope = bytes([_CHUNKS_TAG]) + _varint(sum(map(len, prefixes)) + sum(sizes))
     message, out = _blank_bytes(len(envelope) + sum(map(len, prefixes)) + sum(sizes))
-    position = _put(out, 0, envelope)
+    view = out.data  # a memoryview: writes small parts of the message faster than numpy
+    position = len(envelope)
+    view[:position] = envelope
     for prefix, head, piece in zip(prefixes, heads, pieces):
-        position = _put(out, position, prefix + head)
-        end = position + len(piece.source)
-        digest = copy_with_checksum(out[position:end], piece.source)
-        position = _put(out, end, bytes([_CHECKSUM_TAG]) + digest.to_bytes(8, "little"))
+        start = position + len(prefix) + len(head)
+        view[position:start] = prefix + head
+        position = start + len(piece.source)
+        digest = copy_with_checksum(out[start:position], piece.source)
+        view[position : position + 9] = _CHECKSUM_PREFIX + digest.to_bytes(8, "little")
+        position += 9
     assert position == len(out)
     return message
 
@@ -175,9 +179,13 @@ def _blank_bytes(size: int) -> tuple[bytes, np.ndarray]:
     return message, np.frombuffer(memoryview(contents), dtype=np.uint8)
 
 
-def _put(out: np.ndarray, position: int, data: bytes) -> int:
-    out[position : position + len(data)] = np.frombuffer(data, dtype=np.uint8)
-    return position + len(data)
+def _chunk_head(layer: int, kind: int, offset: int, size: int) -> bytes:
+    """A KVChunk's fields before its data's bytes, as protobuf writes them (fields at zero left out)."""
+    head = b""
+    for tag, value in ((_LAYER_TAG, layer), (_KIND_TAG, kind), (_OFFSET_TAG, offset)):
+        if value:
+            head += tag + _varint(value)
+    return head + bytes([_DATA_TAG]) + _varint(size)
 
 
 def _varint(value: int) -> bytes:

@@ -22,7 +22,7 @@ from pdserve import logs, memory, tls, tracing
 from pdserve.metrics import Metrics
 from pdserve.tls import TLS
 
-MAX_MESSAGE_BYTES = 8 << 20  # KV chunks are 1 MiB by default; anything near this limit is malformed
+MAX_MESSAGE_BYTES = 8 << 20  # KV chunks are 768 KiB by default, 4 MiB at most; anything near this limit is malformed
 # The message limits every pdserve server and channel runs with.
 MESSAGE_LIMITS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]

@@ -403,16 +403,19 @@ def test_bfloat16_model_refuses_float16_wire() -> None:
 def test_codec_reads_protobuf_chunks_and_protobuf_reads_codec_chunks() -> None:
     data = np.frombuffer(bytes(range(256)) * 5, dtype=np.uint8)
     one = codec.encode_pieces([codec.Piece(3, pb.KV_KIND_VALUES, 4096, data)])
-    assert pb.KVTransfer.FromString(one).chunk == pb.KVChunk(layer=3, kind=pb.KV_KIND_VALUES, offset=4096,
-                                                              data=data.tobytes(), checksum=checksum(data))
+    expected = pb.KVChunk(layer=3, kind=pb.KV_KIND_VALUES, offset=4096, data=data.tobytes(), checksum=checksum(data))
+    assert pb.KVTransfer.FromString(one).chunk == expected
+    assert one == pb.KVTransfer(chunk=expected).SerializeToString()  # byte for byte what protobuf writes
     several = codec.encode_pieces([codec.Piece(3, pb.KV_KIND_VALUES, 4096, data[:8]),
-                                   codec.Piece(4, pb.KV_KIND_KEYS, 0, data[8:])])
-    assert list(pb.KVTransfer.FromString(several).chunks.chunk) == [
+                                   codec.Piece(0, pb.KV_KIND_KEYS, 0, data[8:])])  # zeros, which protobuf leaves out
+    expected_chunks = [
         pb.KVChunk(layer=3, kind=pb.KV_KIND_VALUES, offset=4096, data=data[:8].tobytes(), checksum=checksum(data[:8])),
-        pb.KVChunk(layer=4, kind=pb.KV_KIND_KEYS, offset=0, data=data[8:].tobytes(), checksum=checksum(data[8:]))]
+        pb.KVChunk(layer=0, kind=pb.KV_KIND_KEYS, offset=0, data=data[8:].tobytes(), checksum=checksum(data[8:]))]
+    assert list(pb.KVTransfer.FromString(several).chunks.chunk) == expected_chunks
+    assert several == pb.KVTransfer(chunks=pb.KVChunks(chunk=expected_chunks)).SerializeToString()
     decoded = codec.decode(several)
     assert isinstance(decoded, list) and [(c.layer, c.offset, bytes(c.data), c.checksum) for c in decoded] == [
-        (3, 4096, data[:8].tobytes(), checksum(data[:8])), (4, 0, data[8:].tobytes(), checksum(data[8:]))]
+        (3, 4096, data[:8].tobytes(), checksum(data[:8])), (0, 0, data[8:].tobytes(), checksum(data[8:]))]
     # protobuf's own encoding, with a field this version does not know (a newer sender), decodes on the fast path
     generic = pb.KVTransfer(chunk=pb.KVChunk(layer=1, kind=pb.KV_KIND_KEYS, offset=8, length=64, checksum=9))
     raw = generic.SerializeToString()
