@@ -115,16 +115,31 @@ class KVSender:
     def _tensors(self, layers: Sequence[Layer]) -> Iterator[tuple[int, int, np.ndarray]]:
         """(layer, kind, the tensor's bytes in the wire dtype) in wire order; keys and values are
         (num_kv_heads, num_tokens, head_dim)."""
+        dtype = WIRE_DTYPES[self.layout.dtype]
         for index, keys, values in layers:
             for kind, tensor in zip(_KINDS, (keys, values)):
-                # copies only for a GPU tensor, a downcast or a non-contiguous view
-                wire = tensor.detach().to("cpu", WIRE_DTYPES[self.layout.dtype]).contiguous()
-                yield index, kind, wire.view(-1).view(torch.uint8).numpy()
+                yield index, kind, host_bytes(tensor, dtype)
 
     def trailer(self, first_token: int) -> pb.KVTransfer:
         return pb.KVTransfer(trailer=pb.KVTrailer(
             total_bytes=self.bytes_sent, num_chunks=self.chunks_sent, first_token=first_token
         ))
+
+
+def host_bytes(tensor: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    """`tensor` in `dtype`, C-contiguous in host memory, as uint8: a view where it can be (a CPU tensor already in
+    `dtype` and contiguous), else one copy.
+
+    A CUDA tensor is cast where it lives (a downcast moves fewer bytes), then copied out once, by DMA into page-locked
+    memory from torch's pinned-memory cache (reused from one tensor to the next). The copy returns when it is done.
+    Copying into pageable memory instead goes through the driver's own pinned staging buffer: two copies.
+    """
+    wire = tensor.detach().to(dtype).contiguous()
+    if wire.device.type != "cpu":
+        host = torch.empty(wire.shape, dtype=dtype, pin_memory=True)
+        host.copy_(wire)
+        wire = host
+    return wire.view(-1).view(torch.uint8).numpy()
 
 
 # Shared-memory streams send the descriptors of the tensors already written in one message, covering up to

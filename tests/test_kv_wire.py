@@ -26,7 +26,7 @@ from kv_wire.layout import (
     copy_with_checksum,
 )
 from kv_wire.receiver import KVReceiver
-from kv_wire.sender import KVSender, encode_stream
+from kv_wire.sender import KVSender, encode_stream, host_bytes
 from model_runner.kv_cache import SlotKVCache
 from model_runner.loading import ModelSpec
 from protos import kv_transfer_pb2 as pb
@@ -148,6 +148,35 @@ def test_round_trip_is_bit_exact(
         for layer, (k, v) in zip(cache.slot_layers, kv):
             assert torch.equal(layer.keys[1, :, :tokens], k) and torch.equal(layer.values[1, :, :tokens], v)
             assert not layer.keys[0].any() and not layer.keys[1, :, tokens:].any()  # nothing written elsewhere
+
+
+def test_host_bytes_is_a_view_where_it_can_be_and_a_copy_otherwise() -> None:
+    kv = torch.randn(2, 5, 4)
+    assert host_bytes(kv, torch.float32).ctypes.data == kv.data_ptr()  # the tensor's own memory: no copy
+    strided = kv.transpose(0, 1)  # what a cache's (tokens, heads) view would give
+    assert np.array_equal(host_bytes(strided, torch.float32), strided.contiguous().view(-1).view(torch.uint8).numpy())
+    assert np.array_equal(host_bytes(kv, torch.float16), kv.to(torch.float16).view(-1).view(torch.uint8).numpy())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on the reference machine)")
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_kv_on_a_gpu_leaves_through_pinned_memory_and_lands_on_a_gpu(transport: str) -> None:
+    """Device -> pinned host -> wire -> host -> device, bit-exact; a downcast happens on the device."""
+    spec, tokens = _spec(3, 2, 64, "float32"), 37
+    kv = _random_kv(spec, tokens)
+    on_gpu = [(k.cuda(), v.cuda()) for k, v in kv]
+    out = host_bytes(on_gpu[0][0], torch.float32)
+    assert torch.from_numpy(out).is_pinned() and np.array_equal(out, kv[0][0].view(-1).view(torch.uint8).numpy())
+    half = host_bytes(on_gpu[0][0], torch.bfloat16)
+    assert np.array_equal(half, kv[0][0].to(torch.bfloat16).view(-1).view(torch.uint8).numpy())
+    nbytes = sum(k.nbytes + v.nbytes for k, v in kv)
+    with _segment(transport, nbytes) as segment:
+        _, received = _decode(spec, _encode(spec, on_gpu, tokens, 1000, segment), tokens, segment)
+        cache = SlotKVCache(spec.num_layers, 2, spec.num_kv_heads, tokens + 3, spec.head_dim, torch.float32,
+                            torch.device("cuda"))
+        cache.load(1, received.pieces, tokens)
+    for layer, (k, v) in zip(cache.slot_layers, kv):
+        assert torch.equal(layer.keys[1, :, :tokens].cpu(), k) and torch.equal(layer.values[1, :, :tokens].cpu(), v)
 
 
 @settings(max_examples=25, deadline=None)
