@@ -14,7 +14,7 @@ WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": 
 LOSSY_WIRE_DTYPES = ("bfloat16", "float16")  # opt-in downcasts of float32 KV; the receiver casts back
 # 768 KiB: far under gRPC's 4 MiB message limit, large enough to amortise framing, and under 1 MiB: on the
 # reference machine, messages of 1 MiB and more cost grpcio more per byte at both ends, the raw ceiling included
-# (README, "The KV handoff": the real path at 2.8-2.9 GB/s with 1 MiB chunks, 3.3-3.8 GB/s with 768-992 KiB).
+# (README, "The KV handoff": the real path at 2.8-3.1 GB/s with 1 MiB chunks, 3.3-3.8 GB/s with 768-992 KiB).
 DEFAULT_CHUNK_BYTES = 768 << 10
 MAX_CHUNK_BYTES = 4 << 20  # the largest chunk a decode worker takes by default: gRPC's default message limit
 
