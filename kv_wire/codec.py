@@ -3,7 +3,8 @@
 Chunks are nearly all of a transfer's bytes, and the generic protobuf path copies them four times per side
 (into the message, into the outer message, into the serialised string, out of the parsed field). Here:
 - the sender lays a message out first (every size is known: the checksum is fixed64, written after the data),
-  then copies each piece of KV into place once, hashing it block by block as it goes (layout.copy_with_checksum);
+  then copies each piece of KV into place once and hashes it while the copy has it in cache
+  (layout.copy_with_checksum);
 - the receiver decodes chunks into views of the received buffer.
 A message carries one chunk, or several (KVTransfer.chunks) where it spans a tensor boundary. Headers and
 trailers go through protobuf as usual. Any KVTransfer serialised by protobuf decodes here too, and the other way
