@@ -4,7 +4,12 @@ One run, for the KV of 512, 2048 and 8000-token prompts of the default model (80
 must keep room for generated tokens), measures side by side:
 - grpc: the real KV path, bytes in the stream: KVSender -> a real decode worker's TransferKV (validation,
   checksums), timed from the first message to decode's acknowledgement;
-- shm: the same, with the bytes written into the shared-memory segment the decode worker lent;
+- shm: the same, through the shared-memory segment the decode worker lent, as a prompt with passes of its own
+  (every prompt here: each is longer than a batch) sends it: its forward pass computed the KV straight into the
+  segment (done before the clock starts, as the gRPC path's KV is computed before its clock), so the sender only
+  hashes each tensor where it lies and sends descriptors;
+- shm_copy: the same, with the sender copying the KV into the segment first, as for prompts that share a batched
+  pass (the segment is one prompt's; the batch's cache is not);
 - grpc_prebuilt: the gRPC path with its messages built before the clock starts: what the stream and decode's
   checks cost, without building the messages (one copy of every byte and its checksum, on the sending core);
 - grpc_ceiling: raw grpcio bytes streaming with the same chunk size into a sink that only counts them: the
@@ -61,8 +66,8 @@ from protos import kv_transfer_pb2 as pb
 TOKENS = (512, 2048, 8000)
 HEADLINE_TOKENS = 2048
 T = TypeVar("T")
-PATHS = ("memcpy", "tcp", "grpc_ceiling", "grpc_hot_chunk", "grpc_prebuilt", "grpc", "shm")
-CPU_PATHS = ("grpc_ceiling", "grpc_prebuilt", "grpc", "shm")  # the CPU time of both ends is reported for these
+PATHS = ("memcpy", "tcp", "grpc_ceiling", "grpc_hot_chunk", "grpc_prebuilt", "grpc", "shm", "shm_copy")
+CPU_PATHS = ("grpc_ceiling", "grpc_prebuilt", "grpc", "shm", "shm_copy")  # both ends' CPU time is reported for these
 _SINK_METHOD = "/pdserve.bench.Sink/Bytes"
 _SINK_TCP_PORT = "/pdserve.bench.Sink/TcpPort"
 _GREEDY = worker_pb2.SamplingParams(temperature=0.0, top_p=1.0)
@@ -128,7 +133,8 @@ async def _bench(args: argparse.Namespace, model_dir: Path, tokens: list[int]) -
         "model": model.name, "kv_bytes_per_token": 2 * model.num_layers * model.num_kv_heads * model.head_dim * 4,
         "chunk_bytes": args.chunk_bytes, "repeats": args.repeats,
         **{key: headline[key] for key in ("grpc_gbps", "grpc_ceiling_gbps", "grpc_hot_chunk_gbps",
-                                          "grpc_prebuilt_gbps", "tcp_gbps", "shm_gbps", "memcpy_gbps")},
+                                          "grpc_prebuilt_gbps", "tcp_gbps", "shm_gbps", "shm_copy_gbps",
+                                          "memcpy_gbps")},
         "exposed_transfer_frac": exposed.get("shm", {}).get("exposed_transfer_frac"),
         "cases": cases,
         "exposed": exposed,
@@ -162,7 +168,8 @@ async def _throughput_case(stub: decode_pb2_grpc.DecodeStub, transfer_kv: grpc.a
             "grpc_hot_chunk": lambda _: _timed(lambda: raw_stream(_each(hot_chunks)), sink_pid),
             "grpc_prebuilt": lambda repeat: real_path(shm=False, tag=f"prebuilt-{count}-{repeat}", prebuilt=True),
             "grpc": lambda repeat: real_path(shm=False, tag=f"{count}-{repeat}"),
-            "shm": lambda repeat: real_path(shm=True, tag=f"{count}-{repeat}"),
+            "shm": lambda repeat: real_path(shm=True, tag=f"{count}-{repeat}", in_place=True),
+            "shm_copy": lambda repeat: real_path(shm=True, tag=f"copy-{count}-{repeat}"),
         }
         order = random.Random(count)
         for repeat in range(args.repeats + 1):  # the first round warms buffers and connections; not recorded
@@ -182,6 +189,7 @@ async def _throughput_case(stub: decode_pb2_grpc.DecodeStub, transfer_kv: grpc.a
     case["grpc_vs_ceiling"] = case["grpc_gbps"] / case["grpc_ceiling_gbps"]
     case["grpc_prebuilt_vs_ceiling"] = case["grpc_prebuilt_gbps"] / case["grpc_ceiling_gbps"]
     case["shm_vs_grpc"] = case["shm_gbps"] / case["grpc_gbps"]
+    case["shm_copy_vs_grpc"] = case["shm_copy_gbps"] / case["grpc_gbps"]
     case["shm_vs_memcpy"] = case["shm_gbps"] / case["memcpy_gbps"]
     return case
 
@@ -189,11 +197,12 @@ async def _throughput_case(stub: decode_pb2_grpc.DecodeStub, transfer_kv: grpc.a
 async def _real_path(
     stub: decode_pb2_grpc.DecodeStub, transfer_kv: grpc.aio.StreamUnaryMultiCallable, model: worker_pb2.ModelInfo,
     layout: KVLayout, kv: list[tuple[torch.Tensor, torch.Tensor]], chunk_bytes: int, decode_pid: int, shm: bool,
-    tag: str, prebuilt: bool = False,
+    tag: str, prebuilt: bool = False, in_place: bool = False,
 ) -> Sample:
     """Reserve on the decode worker, then time the KV stream from its first message to decode's ack.
 
     `prebuilt`: the messages are built first, and the clock runs only while they are streamed and checked.
+    `in_place` (shared memory): the KV is put where the forward pass would have computed it, in the segment, first.
     """
     request_id = f"bench-{'shm' if shm else 'grpc'}-{tag}"
     call = stub.Generate(decode_pb2.DecodeRequest(request_id=request_id, prompt_tokens=layout.num_tokens,
@@ -204,6 +213,12 @@ async def _real_path(
         segment = SegmentMaps().open(reservation.shm_segment, reservation.token, layout.total_bytes)
         if segment is None:
             raise RuntimeError("the decode worker lent no shared-memory segment this process can open")
+        if in_place:
+            homes = segment.tensors(layout)
+            for home, source in zip((t for pair in homes for t in pair), (t for pair in kv for t in pair)):
+                # numpy's copy, one thread: torch's would leave its pool's threads spinning into the clock
+                np.copyto(home.view(torch.uint8).numpy(), source.view(torch.uint8).numpy())
+            kv = homes
     sender = KVSender(request_id, reservation.token, model.fingerprint, layout, chunk_bytes, segment=segment)
     layers: asyncio.Queue[Item] = asyncio.Queue()  # every layer ready, as after a forward pass
     for index, (keys, values) in enumerate(kv):
@@ -355,14 +370,15 @@ def _table(result: dict[str, Any]) -> str:
              f"{result['chunk_bytes']} B, median of {result['repeats']}; {result['machine']['cpu']}, "
              f"{result['machine']['cores']} cores. GB/s = 1e9 bytes/s.",
              f"{'tokens':>7} {'MB':>7} {'grpc':>7} {'prebuilt':>8} {'ceiling':>8} {'hot':>7} {'tcp':>7} {'shm':>7} "
-             f"{'memcpy':>7} {'grpc/ceil':>9} {'prebuilt/ceil':>13} {'shm/grpc':>8} {'shm/memcpy':>10}"]
+             f"{'shm_copy':>8} {'memcpy':>7} {'grpc/ceil':>9} {'prebuilt/ceil':>13} {'shm/grpc':>8} "
+             f"{'shm_copy/grpc':>13} {'shm/memcpy':>10}"]
     for case in result["cases"].values():
         lines.append(f"{case['tokens']:>7} {case['kv_bytes'] / 1e6:>7.1f} {case['grpc_gbps']:>7.2f} "
                      f"{case['grpc_prebuilt_gbps']:>8.2f} {case['grpc_ceiling_gbps']:>8.2f} "
                      f"{case['grpc_hot_chunk_gbps']:>7.2f} {case['tcp_gbps']:>7.2f} {case['shm_gbps']:>7.2f} "
-                     f"{case['memcpy_gbps']:>7.2f} {case['grpc_vs_ceiling']:>9.0%} "
+                     f"{case['shm_copy_gbps']:>8.2f} {case['memcpy_gbps']:>7.2f} {case['grpc_vs_ceiling']:>9.0%} "
                      f"{case['grpc_prebuilt_vs_ceiling']:>13.0%} {case['shm_vs_grpc']:>7.1f}x "
-                     f"{case['shm_vs_memcpy']:>10.0%}")
+                     f"{case['shm_copy_vs_grpc']:>12.1f}x {case['shm_vs_memcpy']:>10.0%}")
     lines.append("CPU time within the clock, ms, sender / receiver (the decode worker, or the ceiling's sink):")
     lines.append(f"{'tokens':>7} " + " ".join(f"{name:>17}" for name in CPU_PATHS))
     for case in result["cases"].values():
@@ -386,7 +402,7 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths = ["grpc", "grpc_prebuilt", "grpc_ceiling", "grpc_hot_chunk", "tcp", "shm", "memcpy"]
+    paths = ["grpc", "grpc_prebuilt", "grpc_ceiling", "grpc_hot_chunk", "tcp", "shm", "shm_copy", "memcpy"]
     cases = list(result["cases"].values())
     figure, axis = plt.subplots(figsize=(8, 4.5))
     width = 0.8 / len(paths)

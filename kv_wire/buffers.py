@@ -28,6 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
+
+from kv_wire.layout import WIRE_DTYPES, KVLayout
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +146,14 @@ class LentSegment:
     @property
     def data(self) -> np.ndarray:
         return self.whole[STAMP_BYTES : STAMP_BYTES + self.nbytes]
+
+    def tensors(self, layout: KVLayout) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's keys and values as tensors over their places in the segment (in wire order), for the
+        forward pass to write into: the KV is then in decode's memory as it is computed, and the sender only
+        hashes it (KVSender)."""
+        flat = torch.from_numpy(self.data).view(WIRE_DTYPES[layout.dtype])
+        tensors = flat.view(layout.num_layers, 2, *layout.tensor_shape)
+        return [(tensors[layer, 0], tensors[layer, 1]) for layer in range(layout.num_layers)]
 
     def still_lent(self) -> bool:
         """False once decode took the segment back (released, expired or cancelled): stop writing."""

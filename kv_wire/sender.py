@@ -12,7 +12,7 @@ import torch
 
 from kv_wire import codec
 from kv_wire.buffers import LentSegment
-from kv_wire.layout import WIRE_DTYPES, KVLayout, KVTransferError, TransferState, copy_with_checksum
+from kv_wire.layout import WIRE_DTYPES, KVLayout, KVTransferError, TransferState, checksum, copy_with_checksum
 from protos import kv_transfer_pb2 as pb
 
 _KINDS = (pb.KV_KIND_KEYS, pb.KV_KIND_VALUES)
@@ -94,7 +94,9 @@ class KVSender:
             yield pieces
 
     def _write_to_segment(self, layers: Sequence[Layer]) -> Iterator[list[pb.KVChunk]]:
-        """Each tensor copied into its place in decode's segment, described by one chunk (the unit of checksum)."""
+        """Each tensor copied into its place in decode's segment, described by one chunk (the unit of checksum).
+
+        A tensor already in its place (the forward pass wrote it there: LentSegment.tensors) is only hashed."""
         assert self.segment is not None
         batch: list[pb.KVChunk] = []
         for index, kind, raw in self._tensors(layers):
@@ -102,7 +104,8 @@ class KVSender:
                 raise KVTransferError(grpc.StatusCode.CANCELLED,
                                       "decode took its shared-memory segment back (reservation released)")
             start = (index * 2 + kind - 1) * self.layout.tensor_bytes  # kind is 1 (keys) or 2 (values)
-            digest = copy_with_checksum(self.segment.data[start : start + len(raw)], raw)
+            target = self.segment.data[start : start + len(raw)]
+            digest = checksum(target) if raw.ctypes.data == target.ctypes.data else copy_with_checksum(target, raw)
             batch.append(pb.KVChunk(layer=index, kind=pb.KVKind.ValueType(kind), offset=0, length=len(raw),
                                     checksum=digest))
             self.bytes_sent += len(raw)

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from model_runner.kv_cache import SlotKVCache, pieces_of
 from model_runner.loading import LoadedModel
@@ -18,11 +19,16 @@ class WatchedCache(DynamicCache):
 
     `on_layer(layer, keys, values)` gets the layer's whole cached KV, (batch, kv_heads, tokens, head_dim) each;
     it may raise to abandon the pass at that layer boundary. None: report nothing.
+    `homes`: one prompt's KV is written straight into these tensors, (kv_heads, prompt tokens, head_dim) for each
+    layer's keys and values (a shared-memory segment a decode worker lent, say), instead of memory of its own.
     """
 
-    def __init__(self, on_layer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None) -> None:
+    def __init__(self, on_layer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+                 homes: list[LayerKV] | None = None) -> None:
         super().__init__()
         self.on_layer = on_layer
+        if homes is not None:
+            self.layers = [_PlacedLayer(keys[None], values[None]) for keys, values in homes]
 
     def update(  # type: ignore[override]
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
@@ -31,6 +37,32 @@ class WatchedCache(DynamicCache):
         if self.on_layer is not None:
             self.on_layer(layer_idx, keys, values)
         return keys, values
+
+
+class _PlacedLayer(DynamicLayer):
+    """A DynamicLayer over given tensors (1, kv_heads, max tokens, head_dim): each update copies the new positions
+    into place, where a DynamicLayer would concatenate them with the old ones into new memory; keys and values are
+    views of the positions filled so far."""
+
+    def __init__(self, keys_home: torch.Tensor, values_home: torch.Tensor) -> None:
+        super().__init__()
+        self._homes = keys_home, values_home
+
+    def update(  # type: ignore[override]
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        keys_home, values_home = self._homes
+        start = self.get_seq_length()
+        end = start + key_states.shape[-2]
+        if key_states.shape[0] != 1 or end > keys_home.shape[-2]:
+            raise ValueError(f"KV of {key_states.shape[0]} row(s) at positions {start}..{end} does not fit its "
+                             f"home, 1 row of {keys_home.shape[-2]} positions")
+        keys_home[:, :, start:end].copy_(key_states)
+        values_home[:, :, start:end].copy_(value_states)
+        self.keys, self.values = keys_home[:, :, :end], values_home[:, :, :end]
+        return self.keys, self.values
 
 
 @torch.inference_mode()

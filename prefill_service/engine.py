@@ -4,7 +4,8 @@ Prompts wait in a queue bounded by a token budget (a prompt that would overflow 
 go elsewhere). Each forward pass is a batch of short prompts or one chunk of a long one (model_runner/scheduling.py).
 
 With layer streaming a prompt's KV is delivered layer by layer during its last pass (a long prompt's earlier
-chunks leave every layer incomplete until then); otherwise after it. Abandoned prompts (cancelled, or their
+chunks leave every layer incomplete until then); otherwise after it. A prompt whose KV has a home (the
+shared-memory segment decode lent it) and a pass to itself is computed straight into that home. Abandoned prompts (cancelled, or their
 transfer refused) leave the queue, or stop the pass at the next layer boundary when nothing else in it needs it.
 """
 
@@ -53,6 +54,9 @@ class PrefillJob:
     # finish(Prefilled or the exception that ended it): exactly once, engine thread
     finish: Callable[[Prefilled | BaseException], None]
     abandon: threading.Event = field(default_factory=threading.Event)
+    # Where its KV goes, (kv_heads, prompt tokens, head_dim) for each layer's keys and values: decode's shared-memory
+    # segment, which the forward pass then writes into directly when the prompt has a pass to itself. None: anywhere.
+    kv_home: list[LayerKV] | None = None
     started: float = 0.0
     cache: WatchedCache | None = None  # a long prompt's KV so far
     done: int = 0  # prompt tokens in `cache` (or in `prefix`, before its first pass)
@@ -156,7 +160,7 @@ class PrefillEngine:
                     width = len(job.token_ids)
                     job.deliver(layer, keys[row, :, :width], values[row, :, :width])
 
-        cache = WatchedCache(on_layer)
+        cache = WatchedCache(on_layer, homes=jobs[0].kv_home if len(jobs) == 1 else None)
         logits = prefill_pass(self.runner, [job.token_ids for job in jobs], cache)
         ended = time.perf_counter()
         for row, job in enumerate(jobs):
@@ -176,7 +180,7 @@ class PrefillEngine:
                 cost = job.cost
                 self._match(job)
                 self.queued_tokens -= cost - job.cost
-            job.cache, job.started = WatchedCache(), time.perf_counter()
+            job.cache, job.started = WatchedCache(homes=job.kv_home), time.perf_counter()
             if job.prefix:
                 continuation(job.prefix, job.cache)
         chunk = prompt[job.done : job.done + self._scheduler.chunk_tokens]

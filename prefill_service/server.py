@@ -7,7 +7,8 @@ Life of a request here:
 3. The forward pass runs; as each layer finishes (in the prompt's last pass), its KV is handed to the event
    loop, which streams it to the decode worker (TransferKV: header, chunks, ...) while later layers still
    compute. When decode lent a shared-memory segment this worker can open (same host), the bytes go there and
-   the stream carries only descriptors and checksums.
+   the stream carries only descriptors and checksums; a prompt with a pass to itself is computed straight into
+   the segment, so its KV is not even copied.
 4. The first token is sampled from the last position and sent to the gateway at once (TTFT does not wait for
    the transfer); the KV stream is closed with a trailer that carries it.
 5. Decode acknowledges: the call ends with TransferDone. A refused transfer ends the call with decode's status;
@@ -208,9 +209,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         spec = self.spec
         layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, len(token_ids),
                           self.config.wire_dtype or spec.dtype)
-        segment = None
+        segment = home = None
         if self.config.kv_shm and request.shm_segment:
             segment = self._segments.open(request.shm_segment, request.reservation_token, layout.total_bytes)
+        if segment is not None and layout.dtype == spec.dtype and self.runner.device.type == "cpu":
+            home = segment.tensors(layout)  # the forward pass writes the KV straight into decode's segment
         send_span = tracing.tracer.start_span("kv.send", kind=SpanKind.CLIENT)
         with trace.use_span(send_span):  # the KV header carries this span's context to decode's receive span
             sender = KVSender(request.request_id, request.reservation_token, spec.fingerprint, layout,
@@ -226,7 +229,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         def finish(outcome: Prefilled | BaseException) -> None:  # engine thread
             loop.call_soon_threadsafe(_settle, result, outcome)
 
-        job = PrefillJob(token_ids, sampling, deliver, finish, abandon)
+        job = PrefillJob(token_ids, sampling, deliver, finish, abandon, kv_home=home)
         arrived = time.perf_counter()
         try:
             try:

@@ -20,7 +20,7 @@ def test_bench_kv_prints_every_key_and_writes_json_and_plot(tiny_model_dir: Path
     result = _bench("kv", "--model", str(tiny_model_dir), "--tokens", "64,128", "--repeats", "1",
                     "--exposed-repeats", "1", "--exposed-tokens", "100", "--out", str(tmp_path))
     for key in ("grpc_gbps", "grpc_ceiling_gbps", "grpc_hot_chunk_gbps", "grpc_prebuilt_gbps", "tcp_gbps", "shm_gbps",
-                "memcpy_gbps"):
+                "shm_copy_gbps", "memcpy_gbps"):
         assert result[key] > 0, key
     assert set(result["cases"]) == {"64", "128"}
     assert result["exposed"]["shm"]["transport"] == "shm" and result["exposed"]["grpc"]["transport"] == "grpc"

@@ -51,12 +51,14 @@ def test_greedy_matches_hugging_face_for_concurrent_prompts(tiny_cluster: Cluste
     assert all(c.timing.kv_bytes > 0 for c in completions)
 
 
-# Layer streaming and the shared-memory path switched off one at a time, and both: same tokens every time.
+# Layer streaming and the shared-memory path switched off one at a time, and both: same tokens every time. With
+# 8-token chunks every prompt has passes to itself, computed straight into decode's segment, position by position.
 @pytest.mark.parametrize(("prefill_args", "transport"), [
     (("--no-kv-shm",), "grpc"),
     (("--no-layer-streaming",), "shm"),
     (("--no-kv-shm", "--no-layer-streaming"), "grpc"),
-], ids=["grpc-streamed", "shm-after-forward", "grpc-after-forward"])
+    (("--prefill-chunk", "8"), "shm"),
+], ids=["grpc-streamed", "shm-after-forward", "grpc-after-forward", "shm-chunked-into-the-segment"])
 def test_greedy_identity_holds_on_every_kv_path(
     tiny_model_dir: Path, prefill_args: tuple[str, ...], transport: str
 ) -> None:

@@ -363,6 +363,39 @@ def test_sender_stops_writing_once_decode_takes_the_segment_back() -> None:
         assert np.array_equal(before, segment.array)  # layer 1 never written
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kv_computed_in_the_segment_is_hashed_where_it_lies_never_copied(
+    dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = _spec(3, 2, 8, dtype)
+    tokens = 11
+    layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, tokens, dtype)
+    kv = _random_kv(spec, tokens)
+
+    def no_copy(target: np.ndarray, source: np.ndarray) -> int:
+        raise AssertionError("KV already in its place was copied")
+
+    with _segment("shm", layout.total_bytes) as segment:
+        assert segment is not None
+        lent = SegmentMaps().open(segment.name, "token", layout.total_bytes)
+        assert lent is not None
+        homes = lent.tensors(layout)
+        for (keys, values), (home_keys, home_values) in zip(kv, homes):  # as the forward pass writes them
+            assert home_keys.shape == home_values.shape == layout.tensor_shape
+            home_keys.copy_(keys)
+            home_values.copy_(values)
+        monkeypatch.setattr(sender_module, "copy_with_checksum", no_copy)
+        sender = KVSender("r1", "token", spec.fingerprint, layout, 64, segment=lent)
+        header = sender.header()
+        chunks = [pb.KVTransfer(chunk=chunk) for message in sender.encode([(i, *home) for i, home in enumerate(homes)])
+                  for chunk in pb.KVTransfer.FromString(message).chunks.chunk]
+        assert len(chunks) == 2 * spec.num_layers and sender.bytes_sent == layout.total_bytes
+        _, received = _decode(spec, [header, *chunks, sender.trailer(7)], tokens, segment)
+        for (keys, values), (got_keys, got_values) in zip(kv, received.layers()):  # read where decode reads them
+            assert torch.equal(keys.view(torch.uint8), got_keys.contiguous().view(torch.uint8))
+            assert torch.equal(values.view(torch.uint8), got_values.contiguous().view(torch.uint8))
+
+
 def test_segments_of_dead_owners_are_removed_and_live_ones_kept() -> None:
     live = SEGMENTS.acquire(1)
     dead_pid = 2**22 + 12345  # above pid_max on Linux defaults: never a live process

@@ -11,6 +11,7 @@ import torch
 import prefill_service.engine as engine_module
 from model_runner import forward
 from model_runner.loading import LoadedModel, ModelConfig
+from model_runner.prefix_cache import PrefixCache
 from model_runner.sampling import SamplingParams
 from model_runner.scheduling import PromptScheduler
 from prefill_service.engine import Abandoned, Prefilled, PrefillEngine, PrefillJob, QueueFull
@@ -84,6 +85,7 @@ class _Recorder:
 
     def __init__(self, prompt: list[int], hold: threading.Event | None = None) -> None:
         self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.addresses: dict[int, tuple[int, int]] = {}  # where each delivered layer's keys and values lie
         self.outcome: Prefilled | BaseException | None = None
         self.finished = threading.Event()
         self.entered = threading.Event()
@@ -93,6 +95,7 @@ class _Recorder:
     def _deliver(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         assert layer not in self.layers
         self.layers[layer] = (keys.clone(), values.clone())
+        self.addresses[layer] = (keys.data_ptr(), values.data_ptr())
         self.entered.set()
         if self.hold is not None:
             self.hold.wait(30)
@@ -146,6 +149,36 @@ def test_batched_and_chunked_prompts_get_exactly_their_own_kv_and_first_token(
         # 13 + 7 + 21 tokens shared one pass (3 x 21 <= 96); the 100-token prompt ran as chunks of 40
         assert [13, 7, 21] in passes
         assert passes.count([40]) == 2 and [20] in passes
+        assert (engine.queued_tokens, engine.live_jobs) == (0, 0)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("layer_streaming", [True, False], ids=["streamed", "after-pass"])
+def test_a_prompt_with_a_kv_home_is_computed_straight_into_it(runner: LoadedModel, layer_streaming: bool) -> None:
+    """A home is where decode lent its shared-memory segment: the forward pass writes the prompt's KV there, and the
+    layers delivered to the sender are views of it; for a prompt alone in its pass, one run as chunks, and one that
+    continues a cached prefix."""
+    spec = runner.spec
+    engine = PrefillEngine(runner, chunk_tokens=40, layer_streaming=layer_streaming,
+                           prefix_cache=PrefixCache(block_tokens=16, budget_bytes=64 << 20))
+    long = list(range(900, 1000))
+    try:
+        for prompt, cached in ((list(range(200, 213)), 0), (long, 0), ([*long, 5, 6, 7], 96)):
+            shape = (spec.num_kv_heads, len(prompt), spec.head_dim)
+            homes = [(torch.full(shape, torch.nan), torch.full(shape, torch.nan)) for _ in range(spec.num_layers)]
+            recorder = _Recorder(prompt)
+            recorder.job.kv_home = homes
+            engine.submit(recorder.job)
+            outcome = recorder.wait()
+            assert isinstance(outcome, Prefilled), outcome
+            assert outcome.cached_tokens == cached
+            logits, kv = forward.prefill(runner, prompt)  # the same prompt alone, into memory of its own
+            assert outcome.first_token == int(torch.argmax(logits))
+            for layer, ((keys, values), (home_keys, home_values)) in enumerate(zip(kv, homes)):
+                assert recorder.addresses[layer] == (home_keys.data_ptr(), home_values.data_ptr())
+                torch.testing.assert_close(home_keys, keys, atol=1e-4, rtol=1e-4)  # every position written
+                torch.testing.assert_close(home_values, values, atol=1e-4, rtol=1e-4)
         assert (engine.queued_tokens, engine.live_jobs) == (0, 0)
     finally:
         engine.close()
