@@ -5,8 +5,9 @@ go elsewhere). Each forward pass is a batch of short prompts or one chunk of a l
 
 With layer streaming a prompt's KV is delivered layer by layer during its last pass (a long prompt's earlier
 chunks leave every layer incomplete until then); otherwise after it. A prompt whose KV has a home (the
-shared-memory segment decode lent it) and a pass to itself is computed straight into that home. Abandoned prompts (cancelled, or their
-transfer refused) leave the queue, or stop the pass at the next layer boundary when nothing else in it needs it.
+shared-memory segment decode lent it) and a pass to itself is computed straight into that home. Abandoned prompts
+(cancelled, or their transfer refused) leave the queue, or stop the pass at the next layer boundary when nothing
+else in it needs it.
 """
 
 from __future__ import annotations
