@@ -75,10 +75,14 @@ def _encode(
 ) -> list[pb.KVTransfer]:
     """Header, one chunk a message (the receiver takes a KVChunks' chunks as if they came alone), trailer."""
     header, wire, trailer = _wire(spec, kv, tokens, chunk, segment, wire_dtype)
+    return [header, *_one_chunk_a_message(wire), trailer]
+
+
+def _one_chunk_a_message(wire: list[bytes]) -> list[pb.KVTransfer]:
     chunks = []
     for message in map(pb.KVTransfer.FromString, wire):  # plain protobuf can read the codec's messages
         chunks += [message] if message.HasField("chunk") else [pb.KVTransfer(chunk=c) for c in message.chunks.chunk]
-    return [header, *chunks, trailer]
+    return chunks
 
 
 def _random_kv(spec: ModelSpec, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -387,8 +391,7 @@ def test_kv_computed_in_the_segment_is_hashed_where_it_lies_never_copied(
         monkeypatch.setattr(sender_module, "copy_with_checksum", no_copy)
         sender = KVSender("r1", "token", spec.fingerprint, layout, 64, segment=lent)
         header = sender.header()
-        chunks = [pb.KVTransfer(chunk=chunk) for message in sender.encode([(i, *home) for i, home in enumerate(homes)])
-                  for chunk in pb.KVTransfer.FromString(message).chunks.chunk]
+        chunks = _one_chunk_a_message(list(sender.encode([(i, *home) for i, home in enumerate(homes)])))
         assert len(chunks) == 2 * spec.num_layers and sender.bytes_sent == layout.total_bytes
         _, received = _decode(spec, [header, *chunks, sender.trailer(7)], tokens, segment)
         for (keys, values), (got_keys, got_values) in zip(kv, received.layers()):  # read where decode reads them
