@@ -191,6 +191,7 @@ class DecodeEngine:
             self._prefilling = len(jobs)
         if not jobs:
             return
+        admitted: set[_Prefill] = set()  # joined, finished or failed on their own: a later failure leaves them be
         try:
             if self._prefills.is_long(jobs[0]):
                 job = jobs[0]
@@ -201,14 +202,17 @@ class DecodeEngine:
                     with self._wake:
                         self._prefills.finished_long(job)
                     self._admit_prefilled(job.seq, logits, cached_layers(job.cache))
+                    admitted.add(job)
             else:
                 cache = DynamicCache()
                 logits = prefill_pass(self.runner, [job.token_ids for job in jobs], cache)
                 for row, job in enumerate(jobs):
                     self._admit_prefilled(job.seq, logits[row], cached_layers(cache, row, len(job.token_ids)))
+                    admitted.add(job)
         except Exception:
-            log.exception("prefilling %s failed", ", ".join(job.seq.request_id for job in jobs))
-            for job in jobs:
+            failed = [job for job in jobs if job not in admitted]
+            log.exception("prefilling %s failed", ", ".join(job.seq.request_id for job in failed))
+            for job in failed:
                 with self._wake:
                     self._prefills.finished_long(job)
                 job.seq.emit([], FAILED)
@@ -219,7 +223,10 @@ class DecodeEngine:
     def _admit_prefilled(self, seq: Sequence, logits: torch.Tensor, kv: list[LayerKV]) -> None:
         if seq.aborted:
             return
-        seq.tokens = [sample(logits, seq.sampling, position=seq.prompt_len)]
+        token = self._sample(seq, logits)
+        if token is None:
+            return
+        seq.tokens = [token]
         reason = seq.finish_reason(self.max_len)
         seq.emit(seq.tokens[:], reason)
         if not reason:
@@ -234,7 +241,11 @@ class DecodeEngine:
         finished = []
         ended = time.perf_counter()
         for slot, (seq, row) in enumerate(zip(running, logits)):
-            seq.tokens.append(sample(row, seq.sampling, position=seq.prompt_len + len(seq.tokens)))
+            token = self._sample(seq, row)
+            if token is None:
+                finished.append(slot)
+                continue
+            seq.tokens.append(token)
             reason = seq.finish_reason(self.max_len)
             seq.emit(seq.tokens[-1:], reason)
             if seq.steps is not None:
@@ -245,6 +256,16 @@ class DecodeEngine:
         self.steps += 1
         if self._on_step is not None:
             self._on_step(ended - started, batch)
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> int | None:
+        """The sequence's next token from its logits (vocab,); None when they cannot be sampled: the sequence is
+        failed then, alone, and the rest of its batch goes on."""
+        try:
+            return sample(logits, seq.sampling, position=seq.prompt_len + len(seq.tokens))
+        except Exception:
+            log.exception("sampling the next token of %s failed; failing it alone", seq.request_id)
+            seq.emit([], FAILED)
+            return None
 
     def _leave(self, slots: list[int]) -> None:
         """Drop sequences, refilling each freed slot with the last running sequence (one sequence's copy)."""

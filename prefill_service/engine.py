@@ -63,6 +63,7 @@ class PrefillJob:
     done: int = 0  # prompt tokens in `cache` (or in `prefix`, before its first pass)
     prefix: list[Block] = field(default_factory=list)  # its cached prefix, from the prefix cache
     cost: int = 0  # prompt tokens to compute, counted in the queue's budget
+    finished: bool = False  # `finish` was called: a later failure of its pass must not end it again
 
     @property
     def cached_tokens(self) -> int:
@@ -168,11 +169,16 @@ class PrefillEngine:
             if job.abandoned:
                 self._finish(job, Abandoned())
                 continue
+            try:
+                first_token = sample(logits[row], job.sampling, position=len(job.token_ids))
+            except Exception as exc:  # this row's logits alone: the other prompts of the pass stand
+                log.exception("sampling the first token of a %d-token prompt failed", len(job.token_ids))
+                self._finish(job, exc)
+                continue
             if not streaming:
                 self._deliver_all(job, cache, row)
             self._remember(job, cached_layers(cache, row, len(job.token_ids)))
-            self._finish(job, Prefilled(sample(logits[row], job.sampling, position=len(job.token_ids)),
-                                        job.started, ended, batch_size=len(jobs)))
+            self._finish(job, Prefilled(first_token, job.started, ended, batch_size=len(jobs)))
 
     def _run_chunk(self, job: PrefillJob) -> None:
         prompt = job.token_ids
@@ -235,7 +241,11 @@ class PrefillEngine:
             job.deliver(layer, keys, values)
 
     def _finish(self, job: PrefillJob, result: Prefilled | BaseException) -> None:
+        """Ends a job once: a pass that fails part-way through its rows fails only the rows not yet finished."""
         with self._wake:
+            if job.finished:
+                return
+            job.finished = True
             self.queued_tokens -= job.cost
             self.live_jobs -= 1
         job.finish(result)

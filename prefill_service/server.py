@@ -244,6 +244,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             except Abandoned:
                 await self._transfer_result(push, request.decode_address, context)  # raises decode's refusal
                 raise
+            except Exception as exc:  # its pass, or sampling its first token, failed: logged by the engine
+                await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {type(exc).__name__}: {exc}")
             started, ended = prefilled.started, prefilled.ended
             self._record(arrived, prefilled, len(token_ids))
             yield prefill_pb2.PrefillEvent(first_token=prefill_pb2.FirstToken(
