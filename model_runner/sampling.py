@@ -7,17 +7,20 @@ from dataclasses import dataclass
 import torch
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads consecutive positions over the seed space
+# Temperatures below this are greedy, as in vLLM (its _SAMPLING_EPS): there a float32 softmax already gives exactly 0
+# to every token more than ~1e-3 behind the best one, and dividing by a denormal overflows to inf.
+SAMPLING_EPS = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # below SAMPLING_EPS (0 included) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k cut
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # NaN too
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
@@ -26,10 +29,15 @@ class SamplingParams:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
-    """Pick the token at sequence index `position` from logits (vocab,)."""
-    if params.temperature == 0:
+    """Pick the token at sequence index `position` from logits (vocab,). Raises ValueError when the logits hold NaN
+    or +inf, or nothing but -inf: no token can be told from another then."""
+    logits = logits.float()
+    top = logits.max()  # NaN when any logit is
+    if not torch.isfinite(top):
+        raise ValueError(f"cannot sample position {position}: its logits are not finite (max {top.item()})")
+    if params.temperature < SAMPLING_EPS:
         return int(torch.argmax(logits))
-    scores = logits.float() / params.temperature
+    scores = (logits - top) / params.temperature  # all <= 0: exp cannot overflow, whatever the temperature
     if params.top_k:
         kth = torch.topk(scores, min(params.top_k, scores.numel())).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))

@@ -89,6 +89,21 @@ def test_completions_honour_max_tokens_and_stop(client: openai.OpenAI, keyed: Cl
     assert_nothing_held(keyed)
 
 
+def test_a_tiny_temperature_is_greedy_on_both_transports(client: openai.OpenAI, keyed: Cluster) -> None:
+    """Below 1e-5 sampling is greedy, as in vLLM; logits divided by 1e-40 were inf, and the request a 500."""
+    request = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 6,
+               "extra_body": {"ignore_eos": True}}
+    greedy = client.completions.create(temperature=0, **request).choices[0].text  # type: ignore[call-overload]
+    for temperature in (1e-40, 5e-324):  # a float32 denormal; a float64 one, 0 in the request's float field
+        tiny = client.completions.create(temperature=temperature, **request)  # type: ignore[call-overload]
+        assert tiny.choices[0].text == greedy and tiny.choices[0].finish_reason == "length"
+    for temperature in (1e-40, 1e-45):  # 1e-45: the smallest float32 denormal
+        done = generate(keyed.gateway.address, 60, KEY, prompt="The capital of France is", max_tokens=6,
+                        temperature=temperature, ignore_eos=True)
+        assert done.text == greedy and done.finish_reason == "length"
+    assert_nothing_held(keyed)
+
+
 @pytest.mark.parametrize(("kwargs", "param"), [
     ({"temperature": 5}, None),  # checked by the gateway, as for gRPC: the message names it
     ({"n": 2}, "n"),
