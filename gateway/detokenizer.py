@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 _PROMPT_CONTEXT = 5  # prompt tokens decoded ahead of the output, so the first token's leading space survives
@@ -32,25 +33,61 @@ class IncrementalDetokenizer:
 
 
 class StopMatcher:
-    """Finds stop strings across deltas; holds back any tail that could still become one."""
+    """Finds stop strings across deltas; holds back any tail that could still become one.
+
+    An Aho-Corasick automaton over the stop strings, fed one character at a time. Its state is the longest tail of
+    the text so far that begins some stop string: that tail is what is held back. So a feed costs O(len(text)) and
+    O(longest stop) at most to carry the held tail, however many and however long the stops are; building costs
+    O(their total length) once. The text ends before the first stop string to end (the longest, if several end on
+    the same character), wherever the deltas were cut.
+    """
 
     def __init__(self, stops: list[str]) -> None:
-        self._stops = [s for s in stops if s]
+        self._next: list[dict[str, int]] = [{}]  # state -> character -> state (the trie's edges)
+        self._depth = [0]  # characters of the stop prefix a state stands for: the held tail's length
+        self._ends = [0]  # the longest stop string that ends at a state, 0 if none
+        for stop in filter(None, stops):
+            state = 0
+            for char in stop:
+                if char not in self._next[state]:
+                    self._next[state][char] = len(self._next)
+                    self._next.append({})
+                    self._depth.append(self._depth[state] + 1)
+                    self._ends.append(0)
+                state = self._next[state][char]
+            self._ends[state] = len(stop)
+        self._fail = [0] * len(self._next)  # the longest proper suffix of a state's prefix that is a state too
+        breadth_first = collections.deque(self._next[0].values())
+        while breadth_first:
+            state = breadth_first.popleft()
+            for char, child in self._next[state].items():
+                self._fail[child] = self._step(self._fail[state], char)
+                self._ends[child] = max(self._ends[child], self._ends[self._fail[child]])
+                breadth_first.append(child)
+        self._state = 0
         self._held = ""
+
+    def _step(self, state: int, char: str) -> int:
+        while state and char not in self._next[state]:
+            state = self._fail[state]
+        return self._next[state].get(char, 0)
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to emit, whether a stop string was hit). After a hit, the text ends before it."""
-        if not self._stops:
+        if len(self._next) == 1:
             return text, False
         pending = self._held + text
-        hits = [i for i in (pending.find(s) for s in self._stops) if i >= 0]
-        if hits:
-            self._held = ""
-            return pending[: min(hits)], True
-        keep = max((k for s in self._stops for k in range(1, len(s)) if pending.endswith(s[:k])), default=0)
-        self._held = pending[len(pending) - keep :] if keep else ""
+        state = self._state
+        for end, char in enumerate(text, start=len(self._held) + 1):
+            state = self._step(state, char)
+            if self._ends[state]:
+                self._state, self._held = 0, ""
+                return pending[: end - self._ends[state]], True
+        self._state = state
+        keep = self._depth[state]
+        self._held = pending[len(pending) - keep :]
         return pending[: len(pending) - keep], False
 
     def flush(self) -> str:
-        held, self._held = self._held, ""
+        held, self._held, self._state = self._held, "", 0
         return held

@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from gateway.request import RequestFailed
+from gateway.request import InvalidRequest, RequestFailed, check_stop
 from protos import gateway_pb2
 
 log = logging.getLogger(__name__)
@@ -233,6 +233,10 @@ class OpenAIServer:
             stop = [stop]
         if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
             raise BadParameter("stop", "stop must be a non-empty string or a list of them")
+        try:
+            check_stop(stop or [])
+        except InvalidRequest as exc:
+            raise BadParameter("stop", str(exc)) from None
         generate.stop.extend(stop or [])
         ignore_eos = body.get("ignore_eos", False)
         if not isinstance(ignore_eos, bool):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +17,10 @@ from protos import gateway_pb2
 DEFAULT_MAX_TOKENS = 128
 MAX_REQUEST_ID_CHARS = 128
 MAX_STOP_STRINGS = 16
+# Characters in one stop string: as AWS Bedrock caps them (OpenAI documents only a count, 4), far past any real
+# sentinel ("\n\n", "</answer>", "User:"). The gateway's event loop builds a request's stop matcher in time linear
+# in its stops' characters: 16 at the cap take ~30 ms here; a 300,000-character one would take seconds.
+MAX_STOP_CHARS = 1000
 
 
 class InvalidRequest(ValueError):
@@ -66,6 +70,16 @@ def chat_prompt(messages: Iterable[gateway_pb2.ChatMessage], tokenizer: Any) -> 
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
+def check_stop(stop: Sequence[str]) -> None:
+    """Raises InvalidRequest unless `stop` is at most MAX_STOP_STRINGS non-empty strings of at most MAX_STOP_CHARS
+    characters each."""
+    if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
+        raise InvalidRequest(f"stop: at most {MAX_STOP_STRINGS} non-empty strings")
+    for i, s in enumerate(stop):
+        if len(s) > MAX_STOP_CHARS:
+            raise InvalidRequest(f"stop[{i}] is {len(s)} characters; a stop string may have at most {MAX_STOP_CHARS}")
+
+
 def parse_request(
     request: gateway_pb2.GenerateRequest, tokenizer: Any, vocab_size: int, max_model_len: int
 ) -> GenerateParams:
@@ -105,8 +119,7 @@ def parse_request(
         raise InvalidRequest(f"top_p = {top_p} is outside (0, 1]")
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequest(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
-    if len(request.stop) > MAX_STOP_STRINGS or any(not s for s in request.stop):
-        raise InvalidRequest(f"stop: at most {MAX_STOP_STRINGS} non-empty strings")
+    check_stop(request.stop)
     seed = request.seed if request.HasField("seed") else secrets.randbits(63)
     return GenerateParams(
         request_id=request.request_id or uuid.uuid4().hex,

@@ -13,6 +13,7 @@ import grpc
 import openai
 import pytest
 
+from gateway.request import MAX_STOP_CHARS
 from pdserve.client import generate, stream
 from pdserve.cluster import Cluster
 from protos import gateway_pb2, gateway_pb2_grpc
@@ -125,6 +126,27 @@ def test_bad_parameters_are_400_with_the_parameter_named(client: openai.OpenAI, 
         assert error["param"] == param
     else:
         assert next(iter(kwargs)) in error["message"] or "role" in error["message"]
+    assert_nothing_held(keyed)
+
+
+def test_an_over_long_stop_string_is_refused_on_both_transports(client: openai.OpenAI, keyed: Cluster) -> None:
+    """A stop string's length is capped (the 300,000-character one held the gateway's event loop for seconds)."""
+    for too_long in ("x" * (MAX_STOP_CHARS + 1), "x" * 300_000):
+        stop = ["\n", too_long]
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, stop=stop)
+        error = refused.value.body
+        assert isinstance(error, dict) and error["param"] == "stop" and error["code"] == "invalid_parameter"
+        assert f"stop[1] is {len(too_long)} characters" in error["message"]
+        with pytest.raises(grpc.RpcError) as grpc_refused:
+            generate(keyed.gateway.address, 30, KEY, prompt="Hi", max_tokens=2, stop=stop)
+        assert grpc_refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+        assert f"stop[1] is {len(too_long)} characters" in grpc_refused.value.details()  # type: ignore[attr-defined]
+    at_cap = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, stop=["x" * MAX_STOP_CHARS],
+                                       extra_body={"ignore_eos": True})
+    assert at_cap.choices[0].finish_reason in ("length", "stop")
+    assert generate(keyed.gateway.address, 30, KEY, prompt="Hi", max_tokens=2, ignore_eos=True,
+                    stop=["x" * MAX_STOP_CHARS]).finish_reason
     assert_nothing_held(keyed)
 
 

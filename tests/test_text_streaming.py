@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -9,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
+import gateway.detokenizer
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
+from gateway.request import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +71,88 @@ def test_stop_matcher_equals_cutting_the_whole_text(text: str, cuts: list[int], 
         out += stops.flush()
     expected = text[: text.index(stop)] if stop in text else text
     assert (out, hit) == (expected, stop in text)
+
+
+def _first_to_end(text: str, stops: list[str]) -> tuple[str, bool]:
+    """The whole text cut before the first stop string to end in it (the longest of those ending there)."""
+    for end in range(1, len(text) + 1):
+        ending = [len(stop) for stop in stops if text[:end].endswith(stop)]
+        if ending:
+            return text[: end - max(ending)], True
+    return text, False
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="abcd", max_size=40), cuts=st.lists(st.integers(0, 40), max_size=8),
+       stops=st.lists(st.text(alphabet="abcd", min_size=1, max_size=5), min_size=1, max_size=4))
+def test_overlapping_stops_end_at_the_first_to_end_however_the_text_is_cut(
+    text: str, cuts: list[int], stops: list[str]
+) -> None:
+    matcher = StopMatcher(stops)
+    bounds = sorted({0, len(text), *[min(c, len(text)) for c in cuts]})
+    out, hit = "", False
+    for start, end in zip(bounds, bounds[1:]):
+        emitted, hit = matcher.feed(text[start:end])
+        out += emitted
+        if hit:
+            break
+    if not hit:
+        out += matcher.flush()
+    assert (out, hit) == _first_to_end(text, stops)
+
+
+def test_the_longest_tail_that_may_begin_any_stop_is_held_back() -> None:
+    stops = StopMatcher(["abcX", "bcY", "cZ"])
+    assert stops.feed("zab") == ("z", False)  # "ab" may begin abcX
+    assert stops.feed("c") == ("", False)  # "abc" may begin abcX, "bc" bcY, "c" cZ: all held
+    assert stops.feed("Y!") == ("a", True)  # bcY: the "a" it held for abcX is released
+
+
+def _lines_run(work: Callable[[], object]) -> int:
+    """Lines of gateway/detokenizer.py executed while `work` runs: the matcher's work counted, not timed."""
+    lines = 0
+    module = gateway.detokenizer.__file__
+
+    def count(frame, event, arg):  # type: ignore[no-untyped-def]
+        nonlocal lines
+        if frame.f_code.co_filename != module:
+            return None
+        lines += event == "line"
+        return count
+
+    previous = sys.gettrace()
+    sys.settrace(count)
+    try:
+        work()
+    finally:
+        sys.settrace(previous)
+    return lines
+
+
+def test_a_feed_costs_the_same_whatever_the_stop_strings_length() -> None:
+    """The matcher used to slice every prefix of every stop string on every feed: one request's 300,000-character
+    stop held the gateway's event loop for seconds. Now 1000 one-character deltas cost as many lines of work
+    against 16 stops at the length cap, their longest prefix held back throughout, as against one short stop."""
+
+    def work(stops: list[str]) -> tuple[int, int]:
+        matcher: StopMatcher | None = None
+
+        def build() -> None:
+            nonlocal matcher
+            matcher = StopMatcher(stops)
+
+        built = _lines_run(build)
+        assert matcher is not None
+        emitted: list[tuple[str, bool]] = []
+        fed = _lines_run(lambda: emitted.extend(matcher.feed("a") for _ in range(1000)))  # type: ignore[union-attr]
+        emitted.append(matcher.feed("b"))
+        longest = max(map(len, stops))
+        assert "".join(text for text, _ in emitted) == "a" * (1001 - longest)  # the longest stop ends here
+        assert [hit for _, hit in emitted] == [False] * 1000 + [True]
+        return built, fed
+
+    _, short = work(["a" * 9 + "b"])
+    longest = ["a" * (MAX_STOP_CHARS - 1 - i) + "b" for i in range(MAX_STOP_STRINGS)]
+    built, at_cap = work(longest)
+    assert at_cap <= 1.2 * short and at_cap < 20 * 1000  # the old matcher: ~1500 lines a feed at the cap
+    assert built < 20 * sum(map(len, longest))  # building is linear in the stops' characters
