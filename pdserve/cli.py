@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
 
     bench = commands.add_parser("bench", help="benchmarks; results as a table or JSON, plus JSON and plots on disk")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    from bench import chaos, decode, interference, kv, prefill, prefix, scenarios
+    from bench import chaos, decode, interference, kv, prefill, prefix, scenarios, serve
 
     for name, module, summary in (
         ("kv", kv, "KV transfer: gRPC and shared-memory paths against their ceilings"),
@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         ("interference", interference, "chat streams while long documents arrive"),
         ("chaos", chaos, "cancel storms, killed workers, broken links and overload"),
         ("prefix", prefix, "a shared system prompt and multi-turn chats, prefix cache off and on"),
+        ("serve", serve, "chats and documents through OpenAI-compatible servers (pdserve, vLLM, llama.cpp)"),
     ):
         sub = benches.add_parser(name, help=summary, description=(module.__doc__ or "").split("\n\n")[0])
         module.add_args(sub)
