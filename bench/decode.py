@@ -2,7 +2,7 @@
 
 A decode step must read every weight once and each sequence's whole KV cache; on a CPU that is the floor:
 (weight bytes + KV bytes read) / read bandwidth. This runs the decode engine's own step (`forward.decode_step`
-over a slot KV cache) at a batch of sequences with `--context` tokens each, and measures the read bandwidth
+over a paged KV cache) at a batch of sequences with `--context` tokens each, and measures the read bandwidth
 of the same threads in the same run (a sum over a buffer far larger than the caches). Each --dtype given is
 measured in turn; the first is the headline (`step_ms`, `floor_ms` in --json).
 """
@@ -19,15 +19,16 @@ import torch
 
 from bench.report import add_output_args, publish
 from model_runner import forward
-from model_runner.kv_cache import SlotKVCache
 from model_runner.loading import DEFAULT_MODEL, LoadedModel, ModelConfig
+from model_runner.paged_cache import BLOCK_SIZE, PagedKVCache
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--batch", type=int, default=8, help="sequences per step (default: %(default)s)")
     parser.add_argument("--context", type=int, default=512, help="tokens already cached per sequence")
-    parser.add_argument("--dtype", default="float32,bfloat16", help="dtypes to measure, the first is the headline")
+    parser.add_argument("--dtype", default="bfloat16,float32", help="dtypes to measure, the first is the headline")
+    parser.add_argument("--runner", default="fast,hf", help="runners to measure (model_runner/loading.RUNNERS)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, as a decode worker of `pdserve "
                         "cluster` gets on 2 cores (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per dtype (after 3 warm-up steps)")
@@ -38,10 +39,12 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     read_gbps = read_bandwidth()
     variants = []
-    for dtype in args.dtype.split(","):
-        runner = ModelConfig(model=args.model, dtype=dtype, threads=args.threads).load()
-        variants.append(_measure(runner, args, read_gbps))
-        print(f"bench decode: {dtype} done", file=sys.stderr, flush=True)
+    for name in args.runner.split(","):
+        for dtype in args.dtype.split(","):
+            runner = ModelConfig(model=args.model, dtype=dtype, threads=args.threads, runner=name).load()
+            variants.append(_measure(runner, args, read_gbps))
+            del runner
+            print(f"bench decode: {name} {dtype} done", file=sys.stderr, flush=True)
     head = variants[0]
     result = {"step_ms": head["step_ms"], "floor_ms": head["floor_ms"], "batch": args.batch, "context": args.context,
               "threads": args.threads, "read_gbps": read_gbps, "variants": variants}
@@ -60,37 +63,43 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 
 
 def _measure(runner: LoadedModel, args: argparse.Namespace, read_gbps: float) -> dict[str, Any]:
-    spec, model = runner.spec, runner.model
-    cache = SlotKVCache(spec.num_layers, args.batch, spec.num_kv_heads, args.context + args.steps + 8, spec.head_dim,
-                        model.dtype, runner.device)
+    spec = runner.spec
+    tokens_each = args.context + args.steps + 8
+    cache = PagedKVCache(spec.num_layers, args.batch * -(-tokens_each // BLOCK_SIZE), spec.num_kv_heads, spec.head_dim,
+                         runner.dtype, runner.device)
     generator = torch.Generator().manual_seed(0)
-    for layer in cache.slot_layers:  # a realistic cache: random values in every position the steps will read
-        layer.keys.copy_(torch.randn(layer.keys.shape, generator=generator))
-        layer.values.copy_(torch.randn(layer.values.shape, generator=generator))
+    # a realistic cache: random values in every position the steps will read, each sequence's blocks shuffled
+    # through the pool as they are after a while of joins and leaves
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=generator))
+    order = torch.randperm(cache.num_blocks, generator=generator).tolist()
+    per = cache.num_blocks // args.batch
+    tables = [order[i * per : (i + 1) * per] for i in range(args.batch)]
     tokens = torch.randint(0, spec.vocab_size, (args.batch,), generator=generator).tolist()
     times = []
     for step in range(args.steps + 3):
-        lengths = [args.context + step] * args.batch
+        positions = [args.context + step] * args.batch
         started = time.perf_counter()
-        logits = forward.decode_step(runner, cache, tokens, lengths)
+        logits = forward.decode_step(runner, cache, tokens, tables, positions)
         tokens = logits.argmax(-1).tolist()
         if step >= 3:
             times.append(time.perf_counter() - started)
-    weight_bytes = sum({p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}.values())
+    weight_bytes = runner.fast.weight_bytes() if runner.fast is not None else sum(
+        {p.data_ptr(): p.numel() * p.element_size() for p in runner.model.parameters()}.values())
     kv_bytes = args.batch * (args.context + args.steps // 2) * spec.kv_bytes_per_token  # the mean step's reads
     step_ms = statistics.median(times) * 1e3
     floor_ms = (weight_bytes + kv_bytes) / (read_gbps * 1e9) * 1e3
-    return {"dtype": spec.dtype, "step_ms": step_ms, "floor_ms": floor_ms, "step_over_floor": step_ms / floor_ms,
-            "weight_bytes": weight_bytes, "kv_bytes_per_step": kv_bytes, "tokens_per_s": args.batch / step_ms * 1e3,
-            "step_ms_samples": [t * 1e3 for t in times]}
+    return {"dtype": spec.dtype, "runner": runner.runner_name, "step_ms": step_ms, "floor_ms": floor_ms,
+            "step_over_floor": step_ms / floor_ms, "weight_bytes": weight_bytes, "kv_bytes_per_step": kv_bytes,
+            "tokens_per_s": args.batch / step_ms * 1e3, "step_ms_samples": [t * 1e3 for t in times]}
 
 
 def _table(result: dict[str, Any]) -> str:
     lines = [f"Decode step at batch {result['batch']}, {result['context']} cached tokens each, {result['threads']} "
              f"thread(s); read bandwidth {result['read_gbps']:.1f} GB/s",
-             f"{'dtype':>9} {'step ms':>8} {'floor ms':>9} {'step/floor':>10} {'tok/s':>7} {'weights MB':>10} "
-             f"{'KV MB':>6}"]
+             f"{'runner':>6} {'dtype':>9} {'step ms':>8} {'floor ms':>9} {'step/floor':>10} {'tok/s':>7} "
+             f"{'weights MB':>10} {'KV MB':>6}"]
     for v in result["variants"]:
-        lines.append(f"{v['dtype']:>9} {v['step_ms']:>8.1f} {v['floor_ms']:>9.1f} {v['step_over_floor']:>9.2f}x "
+        lines.append(f"{v['runner']:>6} {v['dtype']:>9} {v['step_ms']:>8.1f} {v['floor_ms']:>9.1f} "
+                     f"{v['step_over_floor']:>9.2f}x "
                      f"{v['tokens_per_s']:>7.1f} {v['weight_bytes'] / 1e6:>10.0f} {v['kv_bytes_per_step'] / 1e6:>6.0f}")
     return "\n".join(lines)

@@ -1,7 +1,8 @@
-"""The decode engine: one thread owns the model and runs a continuous batch over a slot KV cache.
+"""The decode engine: one thread owns the model and runs a continuous batch over a paged KV cache.
 
-Sequences join between steps once their whole KV arrived, and leave between steps when finished or aborted.
-Running sequences stay packed in slots 0..B-1, so a step is one forward pass over a view of the cache.
+Sequences join between steps once their whole KV arrived, taking the blocks their prompt + max_tokens need, and
+leave between steps when finished or aborted, giving them back. A step is one forward pass over every running
+sequence, each attending to its own blocks up to its own length (model_runner/paged_cache.py).
 
 Colocated requests bring a prompt instead of KV: the engine prefills it itself, one pass between two decode
 steps, scheduled as on a prefill worker (model_runner/scheduling.py): short prompts batched, long ones in chunks
@@ -24,8 +25,8 @@ import torch
 from transformers import DynamicCache
 
 from model_runner.forward import LayerKV, cached_layers, decode_step, prefill_pass
-from model_runner.kv_cache import KVPieces, SlotKVCache, pieces_of
 from model_runner.loading import LoadedModel
+from model_runner.paged_cache import KVPieces, PagedKVCache, pieces_of
 from model_runner.sampling import SamplingParams, sample
 from model_runner.scheduling import PromptScheduler
 
@@ -46,6 +47,7 @@ class Sequence:
     stop_token_ids: frozenset[int]
     emit: Emit
     tokens: list[int] = field(default_factory=list)  # generated so far; tokens[0] came from prefill
+    blocks: list[int] = field(default_factory=list)  # its KV blocks in the engine's cache, while it runs
     aborted: bool = False  # set by DecodeEngine.abort: this object, never a later request with the same id
     # For its trace, when traced: (start, end, batch size) of every step it rode in (perf_counter), and when it
     # was handed to the engine and when it joined the batch.
@@ -81,16 +83,17 @@ class _Prefill:
 
 
 class DecodeEngine:
-    def __init__(self, runner: LoadedModel, max_seqs: int, prefill_chunk: int = 256,
+    def __init__(self, runner: LoadedModel, kv_blocks: int, prefill_chunk: int = 256,
                  prefill_batch_tokens: int = 256, on_step: Callable[[float, int], None] | None = None) -> None:
-        """`on_step(seconds, batch size)` is called after every decode step (engine thread): metrics."""
+        """`kv_blocks`: the paged cache's size, in blocks of model_runner/paged_cache.BLOCK_SIZE tokens.
+        `on_step(seconds, batch size)` is called after every decode step (engine thread): metrics."""
         spec = runner.spec
         self._on_step = on_step
         self.runner = runner
         self.max_len = spec.max_model_len
-        self.cache = SlotKVCache(spec.num_layers, max_seqs, spec.num_kv_heads, spec.max_model_len, spec.head_dim,
-                                 runner.model.dtype, runner.device)
-        self._running: list[Sequence] = []  # index = slot
+        self.cache = PagedKVCache(spec.num_layers, kv_blocks, spec.num_kv_heads, spec.head_dim, runner.dtype,
+                                  runner.device)
+        self._running: list[Sequence] = []
         self._joining: collections.deque[tuple[Sequence, KVPieces, Callable[[], None]]] = collections.deque()
         self._prefills: PromptScheduler[_Prefill] = PromptScheduler(prefill_batch_tokens, prefill_chunk)
         self._prefilling = 0  # prompts taken off the queue for the pass under way
@@ -152,7 +155,7 @@ class DecodeEngine:
                 log.exception("decode step failed; failing %d running sequences", len(self._running))
                 for seq in self._running:
                     seq.emit([], FAILED)
-                self._running.clear()
+                self._leave(list(self._running))
 
     def _wait_for_work(self) -> bool:
         with self._wake:
@@ -164,8 +167,8 @@ class DecodeEngine:
         with self._wake:
             joining, self._joining = list(self._joining), collections.deque()
             self._abort_pending = False
-        # Leave first: a joiner may have been admitted into the slot an aborted sequence is giving up.
-        self._leave([slot for slot, seq in enumerate(self._running) if seq.aborted])
+        # Leave first: a joiner may need the blocks an aborted sequence is giving up.
+        self._leave([seq for seq in self._running if seq.aborted])
         for seq, kv, release in joining:
             try:
                 reason = "" if seq.aborted else seq.finish_reason(self.max_len)  # the first token may end it
@@ -173,13 +176,11 @@ class DecodeEngine:
                     seq.emit([], reason or FAILED)
                     continue
                 try:
-                    self.cache.load(len(self._running), kv, seq.prompt_len)
+                    self._join(seq, kv)
                 except Exception:
                     log.exception("loading the KV of %s failed", seq.request_id)
                     seq.emit([], FAILED)
                     continue
-                self._running.append(seq)
-                seq.joined_at = time.perf_counter()
             finally:
                 release()
 
@@ -230,20 +231,31 @@ class DecodeEngine:
         reason = seq.finish_reason(self.max_len)
         seq.emit(seq.tokens[:], reason)
         if not reason:
-            self.cache.load(len(self._running), pieces_of(kv), seq.prompt_len)
-            self._running.append(seq)
-            seq.joined_at = time.perf_counter()
+            self._join(seq, pieces_of(kv))
+
+    def _join(self, seq: Sequence, kv: KVPieces) -> None:
+        """Give the sequence the blocks of its prompt + max_tokens, copy its prompt's KV in, and run it."""
+        seq.blocks = self.cache.allocate(seq.prompt_len + seq.max_tokens)
+        try:
+            self.cache.load(seq.blocks, kv, seq.prompt_len)
+        except BaseException:
+            self.cache.free(seq.blocks)
+            seq.blocks = []
+            raise
+        self._running.append(seq)
+        seq.joined_at = time.perf_counter()
 
     def _step(self) -> None:
         running, batch = self._running, len(self._running)
         started = time.perf_counter()
-        logits = decode_step(self.runner, self.cache, [s.tokens[-1] for s in running], [s.cached for s in running])
+        logits = decode_step(self.runner, self.cache, [s.tokens[-1] for s in running], [s.blocks for s in running],
+                             [s.cached for s in running])
         finished = []
         ended = time.perf_counter()
-        for slot, (seq, row) in enumerate(zip(running, logits)):
+        for seq, row in zip(running, logits):
             token = self._sample(seq, row)
             if token is None:
-                finished.append(slot)
+                finished.append(seq)
                 continue
             seq.tokens.append(token)
             reason = seq.finish_reason(self.max_len)
@@ -251,7 +263,7 @@ class DecodeEngine:
             if seq.steps is not None:
                 seq.steps.append((started, ended, batch))
             if reason:
-                finished.append(slot)
+                finished.append(seq)
         self._leave(finished)
         self.steps += 1
         if self._on_step is not None:
@@ -267,11 +279,12 @@ class DecodeEngine:
             seq.emit([], FAILED)
             return None
 
-    def _leave(self, slots: list[int]) -> None:
-        """Drop sequences, refilling each freed slot with the last running sequence (one sequence's copy)."""
-        for slot in sorted(slots, reverse=True):
-            last = len(self._running) - 1
-            if slot != last:
-                self.cache.move(last, slot, self._running[last].cached)
-                self._running[slot] = self._running[last]
-            self._running.pop()
+    def _leave(self, leaving: list[Sequence]) -> None:
+        """Drop sequences from the batch and give their blocks back."""
+        if not leaving:
+            return
+        gone = {id(seq) for seq in leaving}
+        for seq in leaving:
+            self.cache.free(seq.blocks)
+            seq.blocks = []
+        self._running = [seq for seq in self._running if id(seq) not in gone]

@@ -45,6 +45,7 @@ from kv_wire.layout import MAX_CHUNK_BYTES, KVTransferError, TransferState
 from kv_wire.receiver import KVReceiver, ReceivedKV
 from model_runner.forward import warm_up
 from model_runner.loading import LoadedModel, ModelConfig, add_model_args, model_config
+from model_runner.paged_cache import BLOCK_SIZE
 from pdserve import logs, serving, tracing
 from pdserve.metrics import Metrics
 from pdserve.serving import MAX_MESSAGE_BYTES, ServerConfig, add_server_args, server_config
@@ -54,20 +55,22 @@ from protos.convert import model_info, sampling_from_pb
 
 log = logging.getLogger(__name__)
 
+DEFAULT_KV_BUDGET_MB = 2048  # the paged KV cache: 64 sequences of ~700 tokens of the default model in fp32
+
 
 @dataclass(frozen=True)
 class DecodeConfig:
     server: ServerConfig
     model: ModelConfig
-    max_seqs: int = 8
-    kv_budget_mb: float = 0  # 0 = enough for every slot at the full context length
+    max_seqs: int = 64
+    kv_budget_mb: float = 0  # 0 = DEFAULT_KV_BUDGET_MB, or less when max_seqs full-context sequences need less
     lease_s: float = 30.0
     max_chunk_bytes: int = MAX_CHUNK_BYTES
     kv_shm: bool = True  # lend shared-memory segments, so a prefill worker on this host skips the wire
     prefill_chunk: int = 256  # colocated prompts: most tokens of a long prompt prefilled between two decode steps
     prefill_batch_tokens: int = 256  # colocated short prompts share a pass within this many padded tokens
     buffer_keep_mb: float = 1024  # idle shared-memory segments kept warm for the next reservations
-    kv_warm_mb: float = 1024  # KV cache memory committed at startup, spread evenly over the slots
+    kv_warm_mb: float = 1024  # KV cache memory committed at startup (the blocks used first)
     kv_port: int = -1  # TransferKV's own port: -1 = the main port; 0 = a free one
 
     def __post_init__(self) -> None:
@@ -103,9 +106,10 @@ class DecodeConfig:
         add_server_args(parser)
         add_model_args(parser)
         group = parser.add_argument_group("decode")
-        group.add_argument("--max-seqs", type=int, default=8, help="sequences decoded at once (default: %(default)s)")
+        group.add_argument("--max-seqs", type=int, default=64, help="sequences decoded at once (default: %(default)s)")
         group.add_argument("--kv-budget-mb", type=float, default=0,
-                           help="KV memory reservations may draw on (0: every slot at full context)")
+                           help=f"KV memory reservations may draw on: the paged KV cache's size (0: "
+                           f"{DEFAULT_KV_BUDGET_MB} MiB, or less if --max-seqs sequences at full context need less)")
         group.add_argument("--lease", type=float, default=30.0, dest="lease_s",
                            help="seconds a reservation waits for its KV (default: %(default)s)")
         group.add_argument("--max-chunk-bytes", type=int, default=MAX_CHUNK_BYTES,
@@ -125,7 +129,7 @@ class DecodeConfig:
                            "policy can open it to prefill workers only; 0 picks a free one; -1 serves it on --port "
                            "(default)")
         group.add_argument("--kv-warm-mb", type=float, default=1024,
-                           help="KV cache memory committed at startup, spread evenly over the slots, so joining "
+                           help="KV cache memory committed at startup, so joining "
                            "sequences do not stall the batch on page faults (default: %(default)s)")
 
 
@@ -135,13 +139,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.config = config
         self.spec = spec
         self.kv_port = 0  # TransferKV's own port, once listening; 0: the main port
-        self.engine = DecodeEngine(runner, config.max_seqs, config.prefill_chunk, config.prefill_batch_tokens,
-                                   on_step=self._observe_step)
         full = config.max_seqs * spec.max_model_len * spec.kv_bytes_per_token
-        budget = int(config.kv_budget_mb * (1 << 20)) if config.kv_budget_mb else full
+        budget = int((config.kv_budget_mb or DEFAULT_KV_BUDGET_MB) * (1 << 20))
+        budget = budget if config.kv_budget_mb else min(full, budget)
         self.table = ReservationTable(config.max_seqs, budget, spec.kv_bytes_per_token, config.lease_s)
-        warm = min(int(config.kv_warm_mb * (1 << 20)), budget)
-        self.engine.cache.commit(min(spec.max_model_len, warm // (config.max_seqs * spec.kv_bytes_per_token)))
+        # Every reservation's blocks fit: the budget in whole blocks, plus a partly used last block per sequence.
+        blocks = budget // (BLOCK_SIZE * spec.kv_bytes_per_token) + config.max_seqs
+        self.engine = DecodeEngine(runner, blocks, config.prefill_chunk, config.prefill_batch_tokens,
+                                   on_step=self._observe_step)
+        self.engine.cache.commit(min(int(config.kv_warm_mb * (1 << 20)), budget))
         keep = int(config.buffer_keep_mb * (1 << 20))
         self.segments = BufferPool(keep_bytes=keep) if config.kv_shm and buffers.SHM_DIR.is_dir() else None
         self.metrics = Metrics(

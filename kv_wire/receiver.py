@@ -27,8 +27,8 @@ import torch
 from kv_wire.buffers import Buffer, data_region
 from kv_wire.codec import Chunk
 from kv_wire.layout import LOSSY_WIRE_DTYPES, WIRE_DTYPES, KVLayout, KVTransferError, TransferState, checksum
-from model_runner.kv_cache import KVPieces
 from model_runner.loading import ModelSpec
+from model_runner.paged_cache import KVPieces
 from protos import kv_transfer_pb2 as pb
 
 _KIND_INDEX: dict[int, int] = {pb.KV_KIND_KEYS: 0, pb.KV_KIND_VALUES: 1}

@@ -8,8 +8,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from model_runner.kv_cache import SlotKVCache, pieces_of
 from model_runner.loading import LoadedModel
+from model_runner.paged_cache import PagedHFCache, PagedKVCache, pieces_of
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]  # keys, values: (kv_heads, tokens, head_dim) each
 
@@ -81,6 +81,8 @@ def prefill_pass(runner: LoadedModel, prompts: list[list[int]], cache: DynamicCa
     for row, prompt in enumerate(prompts):
         input_ids[row, : len(prompt)] = torch.tensor(prompt)
     lasts = [len(prompt) - 1 for prompt in prompts]
+    if runner.fast is not None:
+        return runner.fast.prefill(input_ids.to(runner.device), list(map(len, prompts)), start, cache)
     keep = sorted(set(lasts))
     out = runner.model(
         input_ids=input_ids.to(runner.device),
@@ -117,16 +119,17 @@ def cached_layers(cache: DynamicCache, row: int = 0, tokens: int | None = None) 
 
 
 @torch.inference_mode()
-def decode_step(runner: LoadedModel, cache: SlotKVCache, input_ids: list[int], lengths: list[int]) -> torch.Tensor:
-    """One token for each of rows 0..B-1 of `cache`; returns logits (B, vocab)."""
-    mask = cache.prepare_step(lengths)
-    out = runner.model(
-        input_ids=torch.tensor(input_ids, dtype=torch.long, device=runner.device)[:, None],
-        position_ids=torch.tensor(lengths, dtype=torch.long, device=runner.device)[:, None],
-        attention_mask=mask,
-        past_key_values=cache,
-        use_cache=True,
-    )
+def decode_step(runner: LoadedModel, cache: PagedKVCache, input_ids: list[int], tables: list[list[int]],
+                positions: list[int]) -> torch.Tensor:
+    """One token for each sequence: row i's blocks are tables[i] and its new token goes at positions[i] (the
+    tokens it holds so far). Returns logits (B, vocab)."""
+    batch = cache.decode_batch(tables, positions)
+    ids = torch.tensor(input_ids, dtype=torch.long, device=runner.device)
+    if runner.fast is not None:
+        return runner.fast.decode(ids, batch, cache.kv)
+    paged = PagedHFCache(cache, batch)
+    out = runner.model(input_ids=ids[:, None], position_ids=batch.positions[:, None], attention_mask=paged.mask(),
+                       past_key_values=paged, use_cache=True)
     return out.logits[:, -1]
 
 
@@ -134,6 +137,7 @@ def warm_up(runner: LoadedModel) -> None:
     """One short prefill and decode step, so the first request does not pay for lazy kernel setup (~1 s)."""
     spec = runner.spec
     _, kv = prefill(runner, [0, 0])
-    cache = SlotKVCache(spec.num_layers, 1, spec.num_kv_heads, 4, spec.head_dim, runner.model.dtype, runner.device)
-    cache.load(0, pieces_of(kv), 2)
-    decode_step(runner, cache, [0], [2])
+    cache = PagedKVCache(spec.num_layers, 1, spec.num_kv_heads, spec.head_dim, runner.dtype, runner.device)
+    blocks = cache.allocate(3)
+    cache.load(blocks, pieces_of(kv), 2)
+    decode_step(runner, cache, [0], [blocks], [2])

@@ -126,22 +126,44 @@ class ModelSpec:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
 
 
+RUNNERS = ("auto", "fast", "hf")
+
+
 @dataclass
 class LoadedModel:
-    model: Any  # a transformers PreTrainedModel (causal LM)
+    """The model a worker runs: the fast Llama-family runner (model_runner/llama.py) or the reference runner (the
+    Hugging Face modules, `model`); exactly one of `fast` and `model` is set."""
+
+    model: Any  # a transformers PreTrainedModel (causal LM), or None
     spec: ModelSpec
     device: torch.device
+    fast: Any = None  # a LlamaRunner, or None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.spec.dtype]
+
+    @property
+    def runner_name(self) -> str:
+        return "hf" if self.fast is None else "fast"
 
 
-def load_model(model_dir: Path, dtype: str = "float32", device: str = "cpu", max_model_len: int = 0) -> LoadedModel:
-    from transformers import AutoModelForCausalLM, GenerationConfig
+def load_model(model_dir: Path, dtype: str = "float32", device: str = "cpu", max_model_len: int = 0,
+               runner: str = "auto") -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from model_runner import llama
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: expected one of {sorted(DTYPES)}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {device!r}: CUDA is not available on this machine")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(device).eval()  # type: ignore[arg-type]
-    config = model.config
+    if runner not in RUNNERS:
+        raise ValueError(f"--runner {runner!r}: expected one of {', '.join(RUNNERS)}")
+    unsupported = llama.supports(model_dir) if runner != "hf" else "--runner hf"
+    if runner == "fast" and unsupported:
+        raise ValueError(f"--runner fast does not cover this model: {unsupported}")
+    config = AutoConfig.from_pretrained(model_dir)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     context = int(getattr(config, "max_position_embeddings", 2048))
     spec = ModelSpec(
@@ -155,6 +177,12 @@ def load_model(model_dir: Path, dtype: str = "float32", device: str = "cpu", max
         max_model_len=min(context, max_model_len) if max_model_len else context,
         eos_token_ids=_eos_token_ids(model_dir, config, GenerationConfig),
     )
+    if not unsupported:
+        fast = llama.LlamaRunner.load(model_dir, DTYPES[dtype], torch.device(device), spec.max_model_len)
+        return LoadedModel(model=None, spec=spec, device=torch.device(device), fast=fast)
+    if runner == "auto":
+        log.warning("reference runner (Hugging Face modules): the fast runner does not cover %s", unsupported)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(device).eval()  # type: ignore[arg-type]
     return LoadedModel(model=model, spec=spec, device=torch.device(device))
 
 
@@ -179,19 +207,22 @@ class ModelConfig:
     device: str = "cpu"
     threads: int = 0  # torch intra-op threads; 0 leaves torch's default
     max_model_len: int = 0  # 0 = the model's own context length
+    runner: str = "auto"  # fast (the Llama family), hf (the reference), auto: fast where it covers the model
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r}: expected one of {sorted(DTYPES)}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"--device {self.device!r}: expected cpu or cuda[:N]")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"--runner {self.runner!r}: expected one of {', '.join(RUNNERS)}")
         if self.threads < 0 or self.max_model_len < 0:
             raise ValueError("--threads and --max-model-len must be >= 0")
 
     def load(self) -> LoadedModel:
         if self.threads:
             torch.set_num_threads(self.threads)
-        return load_model(resolve_model(self.model), self.dtype, self.device, self.max_model_len)
+        return load_model(resolve_model(self.model), self.dtype, self.device, self.max_model_len, self.runner)
 
 
 def add_model_args(parser: Any) -> None:
@@ -202,8 +233,11 @@ def add_model_args(parser: Any) -> None:
     group.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     group.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     group.add_argument("--max-model-len", type=int, default=0, help="longest sequence served (0: the model's)")
+    group.add_argument("--runner", default="auto", choices=RUNNERS,
+                       help="fast: the Llama-family runner; hf: the Hugging Face modules (the reference); auto: fast "
+                       "where it covers the model (default)")
 
 
 def model_config(args: Any) -> ModelConfig:
     return ModelConfig(model=args.model, dtype=args.dtype, device=args.device, threads=args.threads,
-                       max_model_len=args.max_model_len)
+                       max_model_len=args.max_model_len, runner=args.runner)

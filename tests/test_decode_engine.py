@@ -12,7 +12,7 @@ import torch
 import decode_service.engine as engine_module
 from decode_service.engine import DecodeEngine, Sequence
 from model_runner import forward
-from model_runner.kv_cache import pieces_of
+from model_runner.paged_cache import pieces_of
 from model_runner.loading import LoadedModel, ModelConfig
 from model_runner.sampling import SamplingParams, sample
 
@@ -61,7 +61,7 @@ class _Stream:
 
 
 def _alone(runner: LoadedModel, prompt: list[int], sampling: SamplingParams) -> list[int]:
-    engine = DecodeEngine(runner, max_seqs=4)
+    engine = DecodeEngine(runner, kv_blocks=64)
     engine.start()
     try:
         stream = _Stream(engine, runner, prompt, sampling, "alone")
@@ -77,7 +77,7 @@ def test_joining_and_leaving_a_running_batch_changes_no_sequence_tokens(runner: 
                                                                         sampling: SamplingParams) -> None:
     expected = [_alone(runner, prompt, sampling) for prompt in PROMPTS]
     assert all(len(tokens) == MAX_TOKENS for tokens in expected)
-    engine = DecodeEngine(runner, max_seqs=4)
+    engine = DecodeEngine(runner, kv_blocks=64)
     paused, resume = threading.Event(), threading.Event()
 
     def pause() -> None:  # holds the engine thread between two steps, so the joins land at a known step
@@ -114,7 +114,7 @@ def test_colocated_prompts_batched_or_chunked_decode_as_they_do_alone(runner: Lo
         return forward.prefill_pass(runner, prompts, cache)  # type: ignore[arg-type]
 
     monkeypatch.setattr(engine_module, "prefill_pass", counting_pass)
-    engine = DecodeEngine(runner, max_seqs=4, prefill_chunk=16)
+    engine = DecodeEngine(runner, kv_blocks=64, prefill_chunk=16)
     # all queued before the engine starts: the short two share a pass
     streams = [_Stream(engine, runner, prompt, sampling, f"colocated-{index}", colocated=True)
                for index, prompt in enumerate(PROMPTS)]

@@ -13,8 +13,8 @@ import decode_service.engine as decode_engine_module
 import prefill_service.engine as prefill_engine_module
 from decode_service.engine import FAILED, DecodeEngine, Sequence
 from model_runner import forward
-from model_runner.kv_cache import SlotKVCache, pieces_of
 from model_runner.loading import LoadedModel, ModelConfig
+from model_runner.paged_cache import PagedKVCache, pieces_of
 from model_runner.sampling import SamplingParams, sample
 from prefill_service.engine import Prefilled, PrefillEngine, PrefillJob
 
@@ -113,16 +113,16 @@ def test_a_sequence_whose_next_token_cannot_be_sampled_fails_alone_and_the_batch
 ) -> None:
     poisoned_from = 40  # only the 40-token prompt's rows reach this position (the others end before 22)
 
-    def poisoned_step(runner: LoadedModel, cache: SlotKVCache, input_ids: list[int], lengths: list[int]
-                      ) -> torch.Tensor:
-        logits = forward.decode_step(runner, cache, input_ids, lengths).clone()
+    def poisoned_step(runner: LoadedModel, cache: PagedKVCache, input_ids: list[int], tables: list[list[int]],
+                      lengths: list[int]) -> torch.Tensor:
+        logits = forward.decode_step(runner, cache, input_ids, tables, lengths).clone()
         for row, length in enumerate(lengths):
             if length >= poisoned_from:
                 logits[row] = torch.nan
         return logits
 
     monkeypatch.setattr(decode_engine_module, "decode_step", poisoned_step)
-    engine = DecodeEngine(runner, max_seqs=4)
+    engine = DecodeEngine(runner, kv_blocks=64)
     # 1. Three sequences with their prefilled KV, all queued before the engine starts: they join one batch.
     streams = [_Stream(prompt) for prompt in ([1, 17, 4242, 99, 7], list(range(300, 340)), list(range(500, 510)))]
     for stream in streams:
@@ -150,7 +150,7 @@ def test_a_colocated_prompt_whose_first_token_cannot_be_sampled_fails_alone(
 ) -> None:
     passes: list[list[int]] = []
     monkeypatch.setattr(decode_engine_module, "prefill_pass", _poisoned_prefill_pass(passes))
-    engine = DecodeEngine(runner, max_seqs=4)
+    engine = DecodeEngine(runner, kv_blocks=64)
     # 1. Three prompts queued before the engine starts share one prefill pass; the poisoned one is in the middle.
     streams = [_Stream(prompt) for prompt in ([1, 17, 4242, 99, 7], [POISON, 5, 6], list(range(500, 510)))]
     for stream in streams:

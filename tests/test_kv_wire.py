@@ -27,8 +27,8 @@ from kv_wire.layout import (
 )
 from kv_wire.receiver import KVReceiver
 from kv_wire.sender import KVSender, encode_stream, host_bytes
-from model_runner.kv_cache import SlotKVCache
 from model_runner.loading import ModelSpec
+from model_runner.paged_cache import BLOCK_SIZE, PagedKVCache
 from protos import kv_transfer_pb2 as pb
 
 SEGMENTS = BufferPool(keep_bytes=64 << 20)
@@ -147,11 +147,15 @@ def test_round_trip_is_bit_exact(
             assert torch.equal(k.view(torch.uint8), k2.contiguous().view(torch.uint8))
             assert torch.equal(v.view(torch.uint8), v2.contiguous().view(torch.uint8))
         # The engine's join (the segment still lent) copies the pieces, wherever chunks cut the heads, into a slot.
-        cache = SlotKVCache(layers, 2, heads, tokens + 3, head_dim, WIRE_DTYPES[dtype], torch.device("cpu"))
-        cache.load(1, received.pieces, tokens)
-        for layer, (k, v) in zip(cache.slot_layers, kv):
-            assert torch.equal(layer.keys[1, :, :tokens], k) and torch.equal(layer.values[1, :, :tokens], v)
-            assert not layer.keys[0].any() and not layer.keys[1, :, tokens:].any()  # nothing written elsewhere
+        cache = PagedKVCache(layers, 2 * -(-tokens // BLOCK_SIZE) + 1, heads, head_dim, WIRE_DTYPES[dtype],
+                             torch.device("cpu"))
+        other = cache.allocate(tokens)
+        blocks = cache.allocate(tokens)
+        cache.load(blocks, received.pieces, tokens)
+        for (k2, v2), (k, v) in zip(cache.read(blocks, tokens), kv):
+            assert torch.equal(k2, k) and torch.equal(v2, v)
+        elsewhere = [block for block in range(cache.num_blocks) if block not in blocks]
+        assert other and not cache.kv[:, :, elsewhere].any()  # nothing written outside its blocks
 
 
 def test_host_bytes_is_a_view_where_it_can_be_and_a_copy_otherwise() -> None:
@@ -176,11 +180,12 @@ def test_kv_on_a_gpu_leaves_through_pinned_memory_and_lands_on_a_gpu(transport: 
     nbytes = sum(k.nbytes + v.nbytes for k, v in kv)
     with _segment(transport, nbytes) as segment:
         _, received = _decode(spec, _encode(spec, on_gpu, tokens, 1000, segment), tokens, segment)
-        cache = SlotKVCache(spec.num_layers, 2, spec.num_kv_heads, tokens + 3, spec.head_dim, torch.float32,
-                            torch.device("cuda"))
-        cache.load(1, received.pieces, tokens)
-    for layer, (k, v) in zip(cache.slot_layers, kv):
-        assert torch.equal(layer.keys[1, :, :tokens].cpu(), k) and torch.equal(layer.values[1, :, :tokens].cpu(), v)
+        cache = PagedKVCache(spec.num_layers, -(-tokens // BLOCK_SIZE), spec.num_kv_heads, spec.head_dim,
+                             torch.float32, torch.device("cuda"))
+        blocks = cache.allocate(tokens)
+        cache.load(blocks, received.pieces, tokens)
+    for (k2, v2), (k, v) in zip(cache.read(blocks, tokens), kv):
+        assert torch.equal(k2.cpu(), k) and torch.equal(v2.cpu(), v)
 
 
 @settings(max_examples=25, deadline=None)

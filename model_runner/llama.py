@@ -1,0 +1,288 @@
+"""The fast runner: the Llama family's forward pass in plain torch over the checkpoint's own weights.
+
+Covers LlamaForCausalLM and its close kin (SmolLM2, Llama 2/3, Mistral, Qwen2 with its q/k/v bias): pre-norm
+decoder layers of RMSNorm, grouped-query attention with rotary positions, and a SiLU-gated MLP. What it does
+that Hugging Face's eager modules do not:
+- q/k/v are one fused projection, gate/up are fused into the MLP's kernels (docs/kernels.md);
+- every projection's weight is prepacked once at load for oneDNN, and elementwise work rides on the GEMM as a
+  post-op (SiLU on gate, the product with up, the residual adds), so a decoder layer is ~15 kernel calls;
+- decode attention reads each sequence's paged KV only to its own length (model_runner/attention.py);
+- logits only for the rows that sample.
+The reference runner (the Hugging Face modules, `--runner hf`) stays for verification and other architectures.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def supports(model_dir: Path) -> str:
+    """'' when the fast runner can serve this checkpoint, else why not."""
+    config = json.loads((model_dir / "config.json").read_text())
+    arch = (config.get("architectures") or ["?"])[0]
+    if arch not in ARCHITECTURES:
+        return f"architecture {arch} (the fast runner covers {', '.join(ARCHITECTURES)})"
+    if config.get("sliding_window") and config.get("use_sliding_window", arch == "MistralForCausalLM"):
+        return "sliding-window attention"
+    if config.get("hidden_act", "silu") != "silu":
+        return f"hidden_act {config.get('hidden_act')}"
+    if not list(model_dir.glob("*.safetensors")):
+        return "no safetensors weights"
+    return ""
+
+
+# oneDNN's kernels reduce a K longer than this in an order that depends on the batch size (measured: K = 1536
+# gives other bits at M = 1 than at M = 8, in both dtypes); in pieces of at most SPLIT_K, each reduced whole and
+# summed in a fixed order, every row's result is the same whatever the batch (docs/kernels.md).
+MAX_WHOLE_K = 768
+SPLIT_K = 512
+
+
+class Linear:
+    """y = x @ W.T (+ bias), with W prepacked once for oneDNN on the CPU (stock F.linear elsewhere).
+
+    The fused forms put SiLU, a product or a residual add on the GEMM's output as oneDNN post-ops, so the
+    elementwise op reads the output while it is still in cache and costs no extra call. Batch-invariant: a row's
+    output never depends on the other rows (see MAX_WHOLE_K)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.out_features, in_features = weight.shape
+        self.bias = bias
+        self.packed = weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+        self.weight = weight
+        step = in_features if in_features <= MAX_WHOLE_K else SPLIT_K
+        self.spans = [(k, min(k + step, in_features)) for k in range(0, in_features, step)]
+        # the batch-size hint only picks the packed layout; any batch size runs (and gives the same rows)
+        self.pieces = [torch.ops.mkldnn._reorder_linear_weight(weight[:, a:b].contiguous(), 8) if self.packed
+                       else weight[:, a:b] for a, b in self.spans]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(piece.numel() * piece.element_size() for piece in self.pieces)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.packed:
+            return F.linear(x, self.weight, self.bias)
+        a, b = self.spans[0]
+        y = _linear(x[:, a:b], self.pieces[0], self.bias, "none")
+        return self._rest(x, y)
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed and len(self.pieces) == 1:
+            return _linear(x, self.pieces[0], self.bias, "swish")
+        return F.silu(self(x))
+
+    def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """(x @ W.T) * other"""
+        if self.packed and len(self.pieces) == 1:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.pieces[0], self.bias, "mul")
+        return self(x) * other
+
+    def plus(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """(x @ W.T) + other: a residual add"""
+        if not self.packed:
+            return F.linear(x, self.weight, self.bias) + other
+        a, b = self.spans[0]
+        y = torch.ops.mkldnn._linear_pointwise.binary(x[:, a:b], other, self.pieces[0], self.bias, "add")
+        return self._rest(x, y)
+
+    def _rest(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y plus the products of the pieces after the first, one at a time, in order."""
+        for (a, b), piece in zip(self.spans[1:], self.pieces[1:]):
+            y = torch.ops.mkldnn._linear_pointwise.binary(x[:, a:b], y, piece, None, "add")
+        return y
+
+
+def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, post: str) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, post, [], "")
+
+
+@dataclass
+class Layer:
+    input_norm: torch.Tensor
+    qkv: Linear
+    o: Linear
+    post_norm: torch.Tensor
+    gate: Linear
+    up: Linear
+    down: Linear
+
+
+@dataclass
+class DecodeBatch:
+    """One decode step's rows: each sequence's block table and how many tokens it attends to (its new one
+    included, already written to the cache by the step)."""
+
+    positions: torch.Tensor  # (B,) long: where each new token goes
+    slots: torch.Tensor  # (B,) long: its slot in the paged cache (block * block_size + offset)
+    block_tables: torch.Tensor  # (B, max_blocks) int32
+    context_lens: torch.Tensor  # (B,) int32 = positions + 1
+
+
+class LlamaRunner:
+    def __init__(self, config: Any, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device, max_model_len: int) -> None:
+        self.dtype, self.device = dtype, device
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.eps = config.rms_norm_eps
+        self.scale = self.head_dim ** -0.5
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+
+        def take(name: str) -> torch.Tensor:
+            return weights.pop(name).to(device=device, dtype=dtype).contiguous()
+
+        self.embed = take("model.embed_tokens.weight")
+        self.layers = []
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            bias = None
+            if p + "self_attn.q_proj.bias" in weights:  # Qwen2
+                bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            self.layers.append(Layer(
+                input_norm=take(p + "input_layernorm.weight"),
+                qkv=Linear(qkv, bias),
+                o=Linear(take(p + "self_attn.o_proj.weight")),
+                post_norm=take(p + "post_attention_layernorm.weight"),
+                gate=Linear(take(p + "mlp.gate_proj.weight")),
+                up=Linear(take(p + "mlp.up_proj.weight")),
+                down=Linear(take(p + "mlp.down_proj.weight")),
+            ))
+        self.norm = take("model.norm.weight")
+        head = weights.pop("lm_head.weight", None)
+        self.lm_head = Linear((self.embed if head is None else head.to(device=device, dtype=dtype)).contiguous())
+        self.cos, self.sin = _rope_tables(config, max_model_len, dtype, device)
+
+    @classmethod
+    def load(cls, model_dir: Path, dtype: torch.dtype, device: torch.device, max_model_len: int) -> LlamaRunner:
+        from safetensors.torch import load_file
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_dir)
+        weights: dict[str, torch.Tensor] = {}
+        for path in sorted(model_dir.glob("*.safetensors")):
+            weights.update(load_file(path))
+        return cls(config, weights, dtype, device, max_model_len)
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights a decode step reads: all but the embedding table, of which it reads one row a token."""
+        norms = [self.norm] + [norm for layer in self.layers for norm in (layer.input_norm, layer.post_norm)]
+        linears = [self.lm_head] + [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate,
+                                                                             layer.up, layer.down)]
+        return sum(t.numel() * t.element_size() for t in norms) + sum(lin.nbytes for lin in linears)
+
+    # Prefill: right-padded prompts over a Hugging Face-style cache (model_runner/forward.py's WatchedCache).
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor, lengths: list[int], start: int, cache: Any) -> torch.Tensor:
+        """input_ids (B, T): prompts of `lengths` tokens, right-padded, at positions start..start+T-1 (start > 0
+        only for one prompt continuing its cache); `cache.update(keys, values, layer)` takes (B, Hkv, T, D) and
+        returns the whole cached (B, Hkv, start+T, D). Returns each prompt's last position's logits (B, vocab)."""
+        batch, width = input_ids.shape
+        tokens = batch * width
+        x = F.embedding(input_ids.reshape(-1), self.embed)  # (B*T, H)
+        positions = torch.arange(start, start + width, device=self.device)
+        cos, sin = self.cos[positions], self.sin[positions]  # (T, D)
+        # bottom-right causal mask: query t (absolute start + t) sees keys 0..start + t
+        mask = None
+        if start:
+            mask = torch.ones(width, start + width, dtype=torch.bool, device=self.device).tril(start)
+        for index, layer in enumerate(self.layers):
+            h = torch.rms_norm(x, (x.shape[-1],), layer.input_norm, self.eps)
+            qkv = layer.qkv(h).view(batch, width, -1)
+            q, k = _rope(qkv, self.q_size + self.kv_size, cos, sin, self.head_dim)
+            q = q[:, :, : self.num_heads].transpose(1, 2)  # (B, Hq, T, D)
+            k = k[:, :, self.num_heads :].transpose(1, 2)  # (B, Hkv, T, D)
+            v = qkv[..., self.q_size + self.kv_size :].view(batch, width, self.num_kv_heads, self.head_dim)
+            keys, values = cache.update(k.contiguous(), v.transpose(1, 2).contiguous(), index)
+            x = layer.o.plus(self._prompt_attention(q, keys, values, lengths, start, mask).view(tokens, -1), x)
+            x = self._mlp(layer, x)
+        rows = torch.tensor([row * width + length - 1 for row, length in enumerate(lengths)], device=self.device)
+        return self._logits(x[rows])
+
+    # Decode: one token per sequence over the paged cache.
+    @torch.inference_mode()
+    def decode(self, input_ids: torch.Tensor, batch: DecodeBatch, kv: torch.Tensor) -> torch.Tensor:
+        """input_ids (B,); kv (layers, 2, num_blocks, block_size, Hkv, D). Returns logits (B, vocab)."""
+        from model_runner.attention import paged_decode_attention
+
+        rows = input_ids.shape[0]
+        x = F.embedding(input_ids, self.embed)  # (B, H)
+        cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # (B, D)
+        for index, layer in enumerate(self.layers):
+            h = torch.rms_norm(x, (x.shape[-1],), layer.input_norm, self.eps)
+            qkv = layer.qkv(h).view(rows, 1, -1)
+            q, k = _rope(qkv, self.q_size + self.kv_size, cos[:, None], sin[:, None], self.head_dim)
+            key_cache, value_cache = kv[index, 0], kv[index, 1]
+            key_cache.view(-1, self.kv_size).index_copy_(0, batch.slots, k[:, 0, self.num_heads :].reshape(rows, -1))
+            value_cache.view(-1, self.kv_size).index_copy_(0, batch.slots, qkv[:, 0, self.q_size + self.kv_size :])
+            attn = paged_decode_attention(q[:, 0, : self.num_heads], key_cache, value_cache, batch.block_tables,
+                                          batch.context_lens, self.scale)  # (B, Hq, D)
+            x = layer.o.plus(attn.reshape(rows, self.q_size), x)
+            x = self._mlp(layer, x)
+        return self._logits(x)
+
+    def _prompt_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: list[int],
+                          start: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """Causal attention of each prompt over its own positions only, never its padding: SDPA's CPU kernel
+        picks its blocking from the sequence length, so a prompt attended within a wider padded batch would get
+        other bits than alone. q (B, Hq, T, D), keys/values (B, Hkv, start + T, D); returns (B, T, Hq * D)."""
+        batch, _, width, _ = q.shape
+        if batch == 1 and lengths[0] == width:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
+                                                 scale=self.scale, enable_gqa=True)
+            return out.transpose(1, 2).reshape(1, width, -1)
+        out = q.new_zeros(batch, width, self.q_size)
+        for row, length in enumerate(lengths):
+            one = F.scaled_dot_product_attention(q[row : row + 1, :, :length], keys[row : row + 1, :, :length],
+                                                 values[row : row + 1, :, :length], is_causal=True,
+                                                 scale=self.scale, enable_gqa=True)  # (1, Hq, T_row, D)
+            out[row, :length] = one[0].transpose(0, 1).reshape(length, -1)
+        return out
+
+    def _mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
+        h = torch.rms_norm(x, (x.shape[-1],), layer.post_norm, self.eps)
+        return layer.down.plus(layer.up.times(h, layer.gate.silu(h)), x)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(torch.rms_norm(x, (x.shape[-1],), self.norm, self.eps))
+
+
+def _rope(qkv: torch.Tensor, width: int, cos: torch.Tensor, sin: torch.Tensor,
+          head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary positions on q and k together: qkv (B, T, ...), its first `width` columns are q then k heads;
+    cos/sin (T, D) or (B, 1, D). Returns the rotated (B, T, Hq + Hkv, D) twice (q and k are slices of it)."""
+    x = qkv[..., :width].unflatten(-1, (-1, head_dim))  # (B, T, Hq + Hkv, D)
+    half = x.unflatten(-1, (2, head_dim // 2))
+    # rotate_half(x) = cat(-x2, x1): swap the halves, and the sign lives in `sin` (its first half negated)
+    swapped = half.flip(-2).flatten(-2)
+    out = torch.addcmul(x * cos.unsqueeze(-2), swapped, sin.unsqueeze(-2))
+    return out, out
+
+
+def _rope_tables(config: Any, max_len: int, dtype: torch.dtype,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (max_len, D) exactly as the Hugging Face rotary embedding computes them (its own class, so
+    every rope scaling it knows is covered), with sin's first half negated for _rope's swapped halves."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rotary = LlamaRotaryEmbedding(config)
+    positions = torch.arange(max_len)[None]
+    cos, sin = rotary(torch.empty((), dtype=dtype), positions)
+    cos, sin = cos[0], sin[0]
+    half = sin.shape[-1] // 2
+    sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+    return cos.to(device), sin.to(device)

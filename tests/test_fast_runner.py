@@ -1,0 +1,145 @@
+"""The fast Llama runner: quality against Hugging Face, batch invariance, and the paged KV cache under it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from model_runner import forward
+from model_runner.loading import LoadedModel, ModelConfig, load_model
+from model_runner.paged_cache import BLOCK_SIZE, OutOfBlocks, PagedKVCache, pieces_of
+
+QUALITY_PROMPTS = [
+    "The capital of France is",
+    "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n",
+    "def quicksort(items):\n    \"\"\"Sort a list.\"\"\"\n",
+    "Once upon a time, in a small village nestled between two mountains, there lived",
+    "<|im_start|>user\nName three colours of the rainbow.<|im_end|>\n<|im_start|>assistant\n",
+    "The three laws of thermodynamics are",
+    "import numpy as np\n\ndef mean_squared_error(y, y_hat):\n",
+    "Dear hiring manager, I am writing to apply for the position of",
+]
+
+
+def greedy(runner: LoadedModel, prompts: list[list[int]], steps: int) -> list[tuple[list[int], list[list[int]]]]:
+    """Each prompt's greedy tokens and the top 5 at every position, prompts prefilled one by one and decoded
+    together as the decode engine does: a paged cache, one batch."""
+    spec = runner.spec
+    cache = PagedKVCache(spec.num_layers, sum(cache_blocks(len(p) + steps) for p in prompts), spec.num_kv_heads,
+                         spec.head_dim, runner.dtype, runner.device)
+    tables, logits = [], []
+    for prompt in prompts:
+        last, kv = forward.prefill(runner, prompt)
+        tables.append(cache.allocate(len(prompt) + steps))
+        cache.load(tables[-1], pieces_of(kv), len(prompt))
+        logits.append(last)
+    rows = torch.stack(logits)
+    out: list[tuple[list[int], list[list[int]]]] = [([], []) for _ in prompts]
+    positions = [len(p) for p in prompts]
+    for step in range(steps):
+        for (tokens, top), row in zip(out, rows):
+            tokens.append(int(row.argmax()))
+            top.append(row.float().topk(5).indices.tolist())
+        if step + 1 < steps:
+            rows = forward.decode_step(runner, cache, [t[-1] for t, _ in out], tables, positions)
+            positions = [p + 1 for p in positions]
+    return out
+
+
+def cache_blocks(tokens: int) -> int:
+    return -(-tokens // BLOCK_SIZE)
+
+
+def hf_reference(model_dir: Path, prompt: list[int], steps: int) -> tuple[list[int], list[list[int]]]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), [s[0].topk(5).indices.tolist() for s in out.scores]
+
+
+def assert_close(ours: tuple[list[int], list[list[int]]], reference: tuple[list[int], list[list[int]]],
+                 label: str) -> int:
+    """vLLM's check_logprobs_close: equal tokens until the first divergence, where each side's token is in the
+    other's top 5; after it the sequences are not compared. Returns the tokens that agreed."""
+    for position, (a, b) in enumerate(zip(ours[0], reference[0])):
+        if a != b:
+            assert a in reference[1][position] and b in ours[1][position], (
+                f"{label}: position {position}: ours {a} (top 5 {ours[1][position]}), reference {b} "
+                f"(top 5 {reference[1][position]})")
+            return position
+    return len(ours[0])
+
+
+@pytest.mark.slow
+def test_fast_runner_agrees_with_hugging_face_in_fp32_and_bf16(default_model_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    prompts = [tokenizer(p).input_ids for p in QUALITY_PROMPTS]
+    steps = 64
+    references = [hf_reference(default_model_dir, p, steps) for p in prompts]
+    for dtype in ("float32", "bfloat16"):
+        runner = load_model(default_model_dir, dtype, runner="fast")
+        assert runner.fast is not None
+        ours = greedy(runner, prompts, steps)
+        agreed = [assert_close(o, r, f"{dtype} prompt {i}") for i, (o, r) in enumerate(zip(ours, references))]
+        if dtype == "float32":  # a float32 divergence would be a bug, not rounding: all 8 x 64 tokens agree
+            assert agreed == [steps] * len(prompts)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_sequence_gets_the_same_bits_alone_as_in_any_batch(tiny_model_dir: Path, dtype: str) -> None:
+    """Batch-invariant kernels: a prompt's logits and each decode step's are bit-identical whether it runs alone
+    or batched with others (prefill or decode)."""
+    runner = ModelConfig(model=str(tiny_model_dir), dtype=dtype, runner="fast").load()
+    prompts = [[(i * 37 + j * 11) % 49000 + 10 for j in range(5 + 9 * i)] for i in range(6)]
+    batched = forward.prefill_pass(runner, prompts, DynamicCache())
+    alone = torch.cat([forward.prefill_pass(runner, [p], DynamicCache()) for p in prompts])
+    assert torch.equal(batched, alone)
+    # Not asserted: a prompt prefilled in chunks gets the same bits as in one pass. A continuing chunk attends
+    # through SDPA's masked path, a whole prompt through its causal one, and on this model they differ in the
+    # last bits (README, known limits).
+
+    steps = 6
+    together = greedy(runner, prompts, steps)
+    for prompt, result in zip(prompts, together):
+        assert greedy(runner, [prompt], steps) == [result]
+
+
+def test_reference_runner_is_token_identical_to_hugging_face(tiny_model_dir: Path) -> None:
+    runner = ModelConfig(model=str(tiny_model_dir), runner="hf").load()
+    assert runner.fast is None and runner.model is not None
+    prompts = [[5, 6, 7, 8, 9], list(range(100, 140))]
+    for prompt, (tokens, _) in zip(prompts, greedy(runner, prompts, 12)):
+        assert tokens == hf_reference(tiny_model_dir, prompt, 12)[0]
+
+
+def test_runner_choice(tiny_model_dir: Path, tmp_path: Path) -> None:
+    assert ModelConfig(model=str(tiny_model_dir)).load().runner_name == "fast"  # auto picks fast for Llama
+    with pytest.raises(ValueError, match="--runner"):
+        ModelConfig(model=str(tiny_model_dir), runner="turbo")
+    other = tmp_path / "gpt2"
+    other.mkdir()
+    (other / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        load_model(other, runner="fast")
+
+
+def test_paged_cache_hands_out_and_takes_back_blocks() -> None:
+    cache = PagedKVCache(num_layers=2, num_blocks=5, num_kv_heads=2, head_dim=4, dtype=torch.float32,
+                         device=torch.device("cpu"))
+    first = cache.allocate(2 * BLOCK_SIZE + 1)  # 3 blocks
+    assert len(first) == 3 and cache.free_blocks == 2
+    with pytest.raises(OutOfBlocks, match="need 3 KV blocks; 2 of 5 free"):
+        cache.allocate(3 * BLOCK_SIZE)
+    second = cache.allocate(BLOCK_SIZE)
+    kv = [(torch.randn(2, 20, 4), torch.randn(2, 20, 4)) for _ in range(2)]
+    cache.load(first, pieces_of(kv), 20)
+    assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(cache.read(first, 20), kv))
+    assert not cache.kv[:, :, second].any()
+    cache.free(first)
+    cache.free(second)
+    assert cache.free_blocks == 5
+    assert sorted(cache.allocate(5 * BLOCK_SIZE)) == list(range(5))
