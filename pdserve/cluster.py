@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import select
@@ -123,23 +122,19 @@ def stop_all(services: list[Service], grace_s: float) -> None:
             service.process.wait()
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: if the cluster process dies (even by SIGKILL), the kernel ends the child."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def _spawn(role: str, module: str, args: list[str], cpus: set[int] | None = None,
            env: dict[str, str] | None = None) -> Service:
-    """Start `python -m module args`; with `cpus`, the process and every thread it starts run only there."""
+    """Start `python -m module args`, ended by the kernel if this process dies (even by SIGKILL); with `cpus`, the
+    process and every thread it starts run only there.
 
-    def prepare() -> None:  # in the child, before exec
-        _die_with_parent()
-        if cpus:
-            os.sched_setaffinity(0, cpus)
-
-    process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, text=True,
-                               preexec_fn=prepare, env=env)
+    Both are set by `pdserve.launch` after an exec, never in a `preexec_fn`: one makes CPython fork() where it would
+    vfork(), so gRPC's fork handlers run in the child and restart gRPC's poller there; the child then closes every
+    descriptor it does not pass on, the poller's epoll among them, and gRPC aborts it ("epoll_wait error: Bad file
+    descriptor") before the exec. With gRPC running here, that was a few starts in a hundred (grpc/grpc#43055).
+    """
+    pinned = ",".join(map(str, sorted(cpus))) if cpus else ""
+    process = subprocess.Popen([sys.executable, "-m", "pdserve.launch", str(os.getpid()), pinned, module, *args],
+                               stdout=subprocess.PIPE, text=True, env=env)
     return Service(role, process, cpus=cpus)
 
 

@@ -7,10 +7,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdserve.client import generate
 from pdserve.cluster import Cluster, ClusterConfig, _await_ready, _spawn, stop_all
@@ -120,3 +124,81 @@ def test_prefill_and_decode_processes_run_on_their_own_cores(tiny_model_dir: Pat
         assert generate(cluster.gateway.address, timeout=30, prompt="Hi", max_tokens=3).finish_reason
     finally:
         cluster.stop()
+
+
+_fork_reports: list[int] = []  # the pipe a forked child writes to, while a test listens
+
+
+def _report_fork() -> None:
+    if _fork_reports:
+        os.write(_fork_reports[0], b"f")
+
+
+os.register_at_fork(after_in_child=_report_fork)
+
+
+def test_services_start_without_a_fork_while_this_process_runs_grpc() -> None:
+    """A gateway once died as it started, now and then, with "epoll_wait error: Bad file descriptor": a preexec_fn
+    made CPython fork() the child, gRPC's fork handlers restarted its poller there, and the child closed the poller's
+    epoll before exec. A service is started by vfork and exec now, which runs no fork handler at all."""
+    # 1. gRPC runs here, as in a test: a server, and a channel with calls coming and going.
+    server = grpc.server(ThreadPoolExecutor(2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    stop = threading.Event()
+
+    def call() -> None:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            while not stop.wait(0.005):
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    _fork_reports.append(write)
+    try:
+        # 2. Start short-lived services, pinned as `pdserve cluster` pins workers: every one runs and exits cleanly.
+        cpus = {min(os.sched_getaffinity(0))}
+        for _ in range(25):
+            service = _spawn("probe", "platform", [], cpus)
+            out, _ = service.process.communicate(timeout=60)
+            assert service.process.returncode == 0 and out.startswith("Linux")
+        # 3. No child ran a fork handler (gRPC's among them) before its exec.
+        try:
+            forked = len(os.read(read, 100))
+        except BlockingIOError:  # nothing written
+            forked = 0
+        assert forked == 0, f"{forked} of 25 children were forked: their fork handlers ran before exec"
+    finally:
+        _fork_reports.clear()
+        os.close(read)
+        os.close(write)
+        stop.set()
+        caller.join()
+        server.stop(0)
+
+
+def test_a_service_is_pinned_and_ends_when_the_process_that_started_it_is_killed() -> None:
+    core = min(os.sched_getaffinity(0))
+    starts_one = ("import time\nfrom pdserve.cluster import _spawn\n"
+                  f"service = _spawn('probe', 'http.server', ['--bind', '127.0.0.1', '0'], {{{core}}})\n"
+                  "print(service.process.pid, flush=True)\ntime.sleep(120)")
+    starter = subprocess.Popen([sys.executable, "-c", starts_one], stdout=subprocess.PIPE, text=True)
+    try:
+        service = int(starter.stdout.readline())
+        deadline = time.monotonic() + 30
+        # past pdserve.launch's exec into the service (mid-exec, cmdline reads empty)
+        while Path(f"/proc/{service}/cmdline").read_text().split("\0")[1:3] != ["-m", "http.server"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert os.sched_getaffinity(service) == {core}
+        starter.kill()
+        deadline = time.monotonic() + 10
+        while _alive(service):
+            assert time.monotonic() < deadline, "the service outlived the process that started it"
+            time.sleep(0.05)
+    finally:
+        starter.kill()
+        starter.wait()

@@ -66,6 +66,11 @@ def traced(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     with socket.socket() as probe:  # a free port for the trace service
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    collector = _Collector()
+    server = grpc.server(ThreadPoolExecutor(4))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
+    assert server.add_insecure_port(f"127.0.0.1:{port}") == port
+    server.start()  # before the services start: they are spawned from a process that runs gRPC, as a user's may be
     capture, logs = tmp_path_factory.mktemp("capture"), tmp_path_factory.mktemp("logs") / "stderr.jsonl"
     saved_stderr = os.dup(2)
     with pytest.MonkeyPatch.context() as env, logs.open("w") as log_file:
@@ -80,13 +85,6 @@ def traced(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         finally:
             os.dup2(saved_stderr, 2)
             os.close(saved_stderr)
-    # The service starts once the workers are spawned: forking a process that runs a gRPC server breaks the
-    # server's poller. Nothing is traced before the first request, and the exporters retry meanwhile.
-    collector = _Collector()
-    server = grpc.server(ThreadPoolExecutor(4))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
-    assert server.add_insecure_port(f"127.0.0.1:{port}") == port
-    server.start()
     yield Traced(cluster, collector, capture, logs)
     cluster.stop()
     server.stop(0)
