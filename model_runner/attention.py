@@ -1,0 +1,156 @@
+"""Decode attention over a paged KV cache: each sequence reads its own blocks, and only up to its own length.
+
+On the CPU a C++ kernel (csrc/paged_attention.cpp) does the work; it is compiled on first use, not on import,
+and cached in torch's extension directory. Where it cannot be built, on other devices, and with
+PDSERVE_ATTENTION=torch, the pure-torch reference serves instead. PDSERVE_ATTENTION=avx512 keeps the kernel but
+leaves out its AVX512-BF16 instructions, and =portable its AVX-512 code too: the code older CPUs run.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+# No -march: the AVX-512 code is compiled for AVX-512 by function attribute and picked at run time, so one
+# cached build runs on any x86-64 CPU. -fopenmp makes at::parallel_for use torch's OpenMP pool (without it the
+# header's loop runs serially); libgomp.so.1 resolves to the copy torch already loaded, so torch.set_num_threads
+# applies.
+_CFLAGS = ["-O3", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+_MODES = ("auto", "torch", "avx512", "portable")
+
+_lock = threading.Lock()
+_loaded = False
+_failed = False
+
+
+def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: (B, Hq, D); key_cache/value_cache: (num_blocks, block_size, Hkv, D), one layer's cache (a view into a
+    bigger contiguous tensor of shape (layers, 2, num_blocks, block_size, Hkv, D), so key_cache itself is
+    contiguous); block_tables: int32 (B, max_blocks), block ids of each sequence in order (entries past its
+    length are padding, arbitrary); context_lens: int32 (B,), tokens each sequence attends to (its current token's
+    K/V is already written in the cache). Hq is a multiple of Hkv (GQA: q head h uses kv head h // (Hq // Hkv)).
+    Returns (B, Hq, D) in q's dtype. A sequence of length 0 gets zeros."""
+    mode = _mode()
+    if mode != "torch" and q.device.type == "cpu" and q.dtype in _KERNEL_DTYPES:
+        if _load():
+            return torch.ops.pdserve_attention.paged_decode_attention(
+                q, key_cache, value_cache, block_tables, context_lens, scale, mode)
+    return reference_decode_attention(q, key_cache, value_cache, block_tables, context_lens, scale)
+
+
+def reference_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """paged_decode_attention in plain torch, one sequence at a time, in float32; any device and dtype."""
+    batch, hq, d = q.shape
+    block_size, hkv = key_cache.shape[1], key_cache.shape[2]
+    out = torch.zeros((batch, hq, d), dtype=torch.float32, device=q.device)
+    for b, length in enumerate(context_lens.tolist()):
+        if length == 0:
+            continue
+        blocks = block_tables[b, : -(-length // block_size)].long()
+        keys = key_cache[blocks].reshape(-1, hkv, d)[:length].float()  # (L, Hkv, D)
+        values = value_cache[blocks].reshape(-1, hkv, d)[:length].float()
+        queries = q[b].float().reshape(hkv, hq // hkv, d)  # (Hkv, G, D): q head h is group h // G
+        scores = torch.einsum("hgd,lhd->hgl", queries, keys) * scale  # (Hkv, G, L)
+        probs = torch.softmax(scores, dim=-1)  # subtracts the max
+        out[b] = torch.einsum("hgl,lhd->hgd", probs, values).reshape(hq, d)
+    return out.to(q.dtype)
+
+
+def load_kernel() -> bool:
+    """Builds (or finds the cached build of) the C++ kernel now rather than on the first call; True if it loaded."""
+    return _load()
+
+
+def kernel_available() -> bool:
+    """Whether paged_decode_attention runs the C++ kernel for CPU tensors (building it if not built yet)."""
+    return _mode() != "torch" and _load()
+
+
+def kernel_path(head_dim: int, dtype: torch.dtype) -> str:
+    """Which code serves a CPU call: "avx512_bf16" (bfloat16 dot products), "avx512", "portable" or "torch"."""
+    mode = _mode()
+    if mode == "torch" or dtype not in _KERNEL_DTYPES or not _load():
+        return "torch"
+    path: str = torch.ops.pdserve_attention.path_for(head_dim, dtype == torch.bfloat16, mode)
+    return path
+
+
+def _mode() -> str:
+    mode = os.environ.get("PDSERVE_ATTENTION", "auto").lower() or "auto"
+    if mode not in _MODES:
+        raise ValueError(f"PDSERVE_ATTENTION={mode!r}: expected one of {', '.join(_MODES)}")
+    return mode
+
+
+def _load() -> bool:
+    global _loaded, _failed
+    if _loaded or _failed:
+        return _loaded
+    with _lock:
+        if not _loaded and not _failed:
+            try:
+                _build()
+                _loaded = True
+            except Exception as e:  # no compiler, no ninja, a compile error: the reference still works
+                _failed = True
+                log.warning("paged attention kernel unavailable, using the torch reference: %s", str(e)[-2000:])
+    return _loaded
+
+
+def build_directory() -> Path:
+    """Where the kernel is built and cached: torch's extension directory, in a folder named for the source, the
+    flags and torch, so builds of different versions never share (and rebuild over) one directory."""
+    from torch.utils import cpp_extension  # imports setuptools: only when a build is wanted
+
+    digest = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), " ".join(_CFLAGS + _LDFLAGS).encode(),
+                                        torch.__version__.encode()])).hexdigest()[:12]
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return Path(root) / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / f"pdserve_paged_attention_{digest}"
+
+
+def _build() -> None:
+    from torch.utils import cpp_extension
+
+    build_dir = build_directory()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    _put_ninja_on_path()
+    start = time.perf_counter()
+    # torch serialises builds with a lock file that outlives a builder killed mid-build, leaving every later
+    # process waiting forever. An flock is let go when its holder dies: whoever holds it is the only builder,
+    # so a torch lock file it finds is stale.
+    with open(build_dir / "pdserve.lock", "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        # Registers torch.ops.pdserve_attention (TORCH_LIBRARY, not a Python module: lighter headers, and torch
+        # releases the GIL around the op)
+        cpp_extension.load(name=build_dir.name, sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
+                           extra_ldflags=_LDFLAGS, build_directory=str(build_dir), is_python_module=False,
+                           verbose=False)
+    log.info("paged attention kernel loaded in %.1f s (%s)", time.perf_counter() - start, build_dir)
+
+
+def _put_ninja_on_path() -> None:
+    # torch runs `ninja` from PATH; pip's ninja sits beside the venv's python, off PATH unless it is activated
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")

@@ -1,0 +1,607 @@
+// Decode attention over a paged KV cache, on the CPU. Built and loaded by model_runner/attention.py as the op
+// torch.ops.pdserve_attention.paged_decode_attention.
+//
+// A task is a sequence and a range of its kv heads: all of them, unless there are fewer sequences than threads.
+// For each kv head it scores the q heads of its GQA group against each key as the key is read (each key and
+// value is read once per group, and never past the sequence's length), takes a max-subtracted softmax in
+// float32, then sums the values with those weights in float32. A head's arithmetic is the same in any task,
+// so a sequence's output is the same bits in any batch and at any thread count.
+//
+// The AVX-512 code is compiled for AVX-512 by function attribute and chosen at run time, so the one cached
+// build runs on any x86-64 CPU: those without AVX-512 (and other architectures) run the portable loops.
+// Only the ATen headers this needs are included (torch/extension.h would add ~15 s to every first build).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define PDS_HAVE_AVX512 1
+#define PDS_AVX512 __attribute__((target("avx512f,fma")))
+#define PDS_AVX512_BF16 __attribute__((target("avx512f,avx512bf16,fma")))
+#else
+#define PDS_HAVE_AVX512 0
+#endif
+
+namespace {
+
+// Pointers to element 0 of each tensor; strides in elements. T is float or uint16_t (bfloat16's bits).
+template <typename T>
+struct Args {
+  const T* q;  // (B, Hq, D), contiguous
+  const T* key;  // (num_blocks, block_size, Hkv, D), last dim contiguous
+  const T* value;
+  int64_t k_block, k_token, k_head;
+  int64_t v_block, v_token, v_head;
+  const int32_t* block_tables;  // (B, max_blocks), contiguous
+  int64_t max_blocks;
+  const int32_t* context_lens;  // (B,)
+  int64_t hq, hkv, group, d, block_size;
+  float scale;
+  T* out;  // (B, Hq, D), contiguous
+};
+
+inline float to_f32(float x) { return x; }
+
+inline float to_f32(uint16_t x) {
+  // bfloat16 is the top half of a float32
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline void store_f32(float x, float* dst) { *dst = x; }
+
+inline void store_f32(float x, uint16_t* dst) {
+  // round to nearest even, as torch's .to(torch.bfloat16) does
+  if (std::isnan(x)) {
+    *dst = 0x7fc0;
+    return;
+  }
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  *dst = static_cast<uint16_t>(bits >> 16);
+}
+
+// The keys (or values) of kv heads kv0..kv0+heads-1 of one sequence: the row of position pos and head kv0+h
+// (its D elements) is token pos % block_size of block table[pos / block_size], h heads on. A pass of length 0
+// has no blocks.
+template <typename T>
+struct Pass {
+  const T* base = nullptr;  // head kv0's element 0 in block 0
+  const int32_t* table = nullptr;
+  int64_t block_stride = 0, token_stride = 0, head_stride = 0, block_size = 1, length = 0, heads = 0;
+
+  int64_t blocks() const { return (length + block_size - 1) / block_size; }
+  const T* block_rows(int64_t j) const { return base + table[j] * block_stride; }  // head kv0's first row
+  int64_t count(int64_t j) const { return std::min(block_size, length - j * block_size); }  // tokens in block j
+};
+
+template <typename T>
+Pass<T> key_pass(const Args<T>& a, int64_t b, int64_t kv0, int64_t kv1) {
+  return {a.key + kv0 * a.k_head, a.block_tables + b * a.max_blocks, a.k_block, a.k_token, a.k_head,
+          a.block_size, a.context_lens[b], kv1 - kv0};
+}
+
+template <typename T>
+Pass<T> value_pass(const Args<T>& a, int64_t b, int64_t kv0, int64_t kv1) {
+  return {a.value + kv0 * a.v_head, a.block_tables + b * a.max_blocks, a.v_block, a.v_token, a.v_head,
+          a.block_size, a.context_lens[b], kv1 - kv0};
+}
+
+struct Scratch {
+  std::vector<float> q, scores, stage, acc, inv_sum;
+};
+
+// ---------------------------------------------------------------------------------------------------------
+// Portable path: plain loops the compiler vectorises for whatever ISA the build targets.
+
+template <typename T>
+void attend_portable(const Args<T>& a, int64_t b, int64_t kvh, Scratch& s) {
+  const int64_t length = a.context_lens[b], G = a.group, D = a.d;
+  T* out = a.out + (b * a.hq + kvh * G) * D;
+  if (length == 0) {  // no keys: zeros, as flash-attention gives an empty sequence
+    for (int64_t i = 0; i < G * D; ++i) store_f32(0.f, out + i);
+    return;
+  }
+  s.q.resize(G * D);
+  s.scores.resize(G * length);  // (G, length)
+  s.acc.assign(G * D, 0.f);
+  s.inv_sum.resize(G);
+  const T* q = a.q + (b * a.hq + kvh * G) * D;
+  for (int64_t i = 0; i < G * D; ++i) s.q[i] = to_f32(q[i]);
+  const Pass<T> keys = key_pass(a, b, kvh, kvh + 1), values = value_pass(a, b, kvh, kvh + 1);
+  for (int64_t j = 0; j < keys.blocks(); ++j) {
+    for (int64_t t = 0; t < keys.count(j); ++t) {
+      const T* k = keys.block_rows(j) + t * keys.token_stride;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = s.q.data() + g * D;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < D; ++i) dot += qg[i] * to_f32(k[i]);
+        s.scores[g * length + j * keys.block_size + t] = dot * a.scale;
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = s.scores.data() + g * length;
+    float max = -std::numeric_limits<float>::infinity(), sum = 0.f;
+    for (int64_t i = 0; i < length; ++i) max = std::max(max, sg[i]);
+    for (int64_t i = 0; i < length; ++i) {
+      sg[i] = std::exp(sg[i] - max);
+      sum += sg[i];
+    }
+    s.inv_sum[g] = 1.f / sum;
+  }
+  for (int64_t j = 0; j < values.blocks(); ++j) {
+    for (int64_t t = 0; t < values.count(j); ++t) {
+      const T* v = values.block_rows(j) + t * values.token_stride;
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = s.scores[g * length + j * values.block_size + t];
+        float* acc = s.acc.data() + g * D;
+#pragma omp simd
+        for (int64_t i = 0; i < D; ++i) acc[i] += p * to_f32(v[i]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < D; ++i) store_f32(s.acc[g * D + i] * s.inv_sum[g], out + g * D + i);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// AVX-512 path, for D = 16 * NV (64 or 128). The loops go block by block, and within a block kv head by kv
+// head, so a block's keys (all heads, contiguous) are fetched together: 6-20% faster here than a head's rows
+// through all blocks, then the next head's. For each kv head, HC q heads at a time keep their q, dot products
+// and accumulators in registers (about HC * NV + NV + HC of the 32 zmm registers).
+//
+// A row is held as NV float32 vectors. A bfloat16 row is widened two elements per 32-bit lane: the shifted
+// lane gives the even elements and the masked lane the odd ones, so vector 2c holds elements 32c + 2i and
+// vector 2c+1 elements 32c + 2i + 1 (lane i). Dot products don't care about the order (q is loaded the same
+// way); the weighted values are put back in order once, at the end.
+
+#if PDS_HAVE_AVX512
+
+constexpr int kAhead = 2;  // blocks between a row's prefetch and its use: enough to cover a DRAM miss
+// Prefetch into L2, not L1: L1 tracks too few misses at once to keep a core's share of DRAM busy.
+constexpr _mm_hint kHint = _MM_HINT_T2;
+
+// The empty asm keeps a loaded row in registers: otherwise GCC folds the loads into each FMA that uses the
+// row, reading it from L1 once per head, and the loop is bound by loads rather than FMAs.
+template <int NV>
+PDS_AVX512 inline void load_row(const float* p, __m512 (&v)[NV]) {
+  for (int i = 0; i < NV; ++i) {
+    v[i] = _mm512_loadu_ps(p + 16 * i);
+    asm("" : "+v"(v[i]));
+  }
+}
+
+template <int NV>
+PDS_AVX512 inline void load_row(const uint16_t* p, __m512 (&v)[NV]) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int c = 0; c < NV / 2; ++c) {
+    const __m512i pairs = _mm512_loadu_si512(p + 32 * c);
+    v[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+    v[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
+  }
+}
+
+// rows rows of D = 16 * NV elements -> float32 in load_row's order.
+template <typename T, int NV>
+PDS_AVX512 void widen_rows(const T* src, int64_t rows, float* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512 v[NV];
+    load_row<NV>(src + r * 16 * NV, v);
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(dst + (r * NV + i) * 16, v[i]);
+  }
+}
+
+// Where load_row put element d of a row, as an index into its NV vectors laid end to end.
+template <typename T>
+inline int64_t lane_of(int64_t d) {
+  if constexpr (sizeof(T) == 4) return d;
+  const int64_t c = d / 32, r = d % 32;
+  return 16 * (2 * c + (r & 1)) + r / 2;
+}
+
+template <typename T, int NV>
+PDS_AVX512 inline void prefetch_row(const T* p) {
+  constexpr int lines = 16 * NV * static_cast<int>(sizeof(T)) / 64;
+  for (int i = 0; i < lines; ++i) _mm_prefetch(reinterpret_cast<const char*>(p) + 64 * i, kHint);
+}
+
+// e^x for x <= 0 (scores minus their max), within 2 ulp: x = n ln2 + r, e^r by Cephes' expf polynomial, then
+// scaled by 2^n (scalef flushes what underflows to zero).
+PDS_AVX512 inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // e^-104 is 0 in float32; also keeps -inf out of r
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Slot for token t (0..15) among the 16 vectors given to sum_each: sum_each leaves slot 4j+q's sum in lane
+// 4q+j, so staging token t at kSlot[t] puts its sum in lane t.
+constexpr int kSlot[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+
+// The lane sums of v[0..15], slot s's in lane kSlot[s]: a transpose-and-add tree, 45 shuffles and adds where
+// 16 separate horizontal sums take ~130.
+PDS_AVX512 inline __m512 sum_each(const __m512* v) {
+  __m512 s[8], u[4], w[2];
+  for (int k = 0; k < 8; ++k)  // quarters 0-1: v[2k]'s half sums; 2-3: v[2k+1]'s
+    s[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xee));
+  for (int k = 0; k < 4; ++k)  // quarter q: slot 4k+q's quarter sums
+    u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * k], s[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(s[2 * k], s[2 * k + 1], 0xdd));
+  for (int k = 0; k < 2; ++k)  // quarter q: two partial sums of slot 8k+q, then two of slot 8k+4+q
+    w[k] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * k], u[2 * k + 1], 0x44),
+                         _mm512_shuffle_ps(u[2 * k], u[2 * k + 1], 0xee));
+  // quarter q: the sums of slots q, 4+q, 8+q, 12+q
+  return _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xdd));
+}
+
+// One kv head's rows in one block, and the rows to prefetch meanwhile (none once ahead_count is 0).
+template <typename T>
+struct Span {
+  const T* rows;
+  int64_t stride, pos0, count;  // elements between tokens, first position, tokens
+  const T* ahead;
+  int64_t ahead_stride, ahead_count;
+};
+
+// Where a run of q heads' scores go. stage: (HC, 16) vectors of dot products not yet summed, kept from one
+// block to the next; scores: (HC, padded), padded = length rounded up to 16.
+struct ScoreSink {
+  __m512* stage;
+  float* scores;
+  int64_t padded, length;
+  float scale;
+};
+
+// Sums the staged dot products of the 16 positions up to pos (zeros past it) into scores, times scale.
+template <int HC>
+PDS_AVX512 inline void flush_stage(const ScoreSink& sink, int64_t pos) {
+  for (int t = static_cast<int>(pos & 15) + 1; t < 16; ++t)
+    for (int g = 0; g < HC; ++g) sink.stage[g * 16 + kSlot[t]] = _mm512_setzero_ps();
+  for (int g = 0; g < HC; ++g)
+    _mm512_storeu_ps(sink.scores + g * sink.padded + (pos & ~int64_t{15}),
+                     _mm512_mul_ps(sum_each(sink.stage + g * 16), _mm512_set1_ps(sink.scale)));
+}
+
+// Dot products of HC q heads (qf: (HC, D) in load_row's order) with the keys of one span.
+template <typename T, int NV, int HC>
+PDS_AVX512 void score_span(const float* qf, const Span<T>& sp, const ScoreSink& sink) {
+  __m512 q[HC][NV];
+  for (int g = 0; g < HC; ++g)
+    for (int i = 0; i < NV; ++i) q[g][i] = _mm512_loadu_ps(qf + (g * NV + i) * 16);
+  for (int64_t t = 0; t < sp.count; ++t) {
+    if (t < sp.ahead_count) prefetch_row<T, NV>(sp.ahead + t * sp.ahead_stride);
+    __m512 k[NV];
+    load_row<NV>(sp.rows + t * sp.stride, k);
+    const int64_t pos = sp.pos0 + t;
+    for (int g = 0; g < HC; ++g) {
+      __m512 acc = _mm512_mul_ps(q[g][0], k[0]);
+      for (int i = 1; i < NV; ++i) acc = _mm512_fmadd_ps(q[g][i], k[i], acc);
+      sink.stage[g * 16 + kSlot[pos & 15]] = acc;
+    }
+    if ((pos & 15) == 15 || pos + 1 == sink.length) flush_stage<HC>(sink, pos);
+  }
+}
+
+// score_span for bfloat16 on CPUs with AVX512-BF16 (q: (HC, D) as given): vdpbf16ps multiplies 32 pairs of
+// bfloat16 (exactly, in float32) and adds them to 16 float32 sums, half the instructions of widening and FMAs.
+template <int NV, int HC>
+PDS_AVX512_BF16 void score_span_bf16(const uint16_t* q_rows, const Span<uint16_t>& sp, const ScoreSink& sink) {
+  constexpr int NP = NV / 2;  // 32-element vectors per row
+  __m512bh q[HC][NP];
+  for (int g = 0; g < HC; ++g)
+    for (int c = 0; c < NP; ++c) q[g][c] = (__m512bh)_mm512_loadu_si512(q_rows + (g * NP + c) * 32);
+  for (int64_t t = 0; t < sp.count; ++t) {
+    if (t < sp.ahead_count) prefetch_row<uint16_t, NV>(sp.ahead + t * sp.ahead_stride);
+    const uint16_t* k = sp.rows + t * sp.stride;
+    const int64_t pos = sp.pos0 + t;
+    __m512 acc[HC];
+    for (int g = 0; g < HC; ++g) acc[g] = _mm512_setzero_ps();
+    for (int c = 0; c < NP; ++c) {
+      const __m512bh kc = (__m512bh)_mm512_loadu_si512(k + 32 * c);
+      for (int g = 0; g < HC; ++g) acc[g] = _mm512_dpbf16_ps(acc[g], q[g][c], kc);
+    }
+    for (int g = 0; g < HC; ++g) sink.stage[g * 16 + kSlot[pos & 15]] = acc[g];
+    if ((pos & 15) == 15 || pos + 1 == sink.length) flush_stage<HC>(sink, pos);
+  }
+}
+
+// Scores to softmax weights in place, max-subtracted; returns 1 / their sum. The lanes past length are dropped.
+PDS_AVX512 float softmax(float* scores, int64_t length, int64_t padded) {
+  const __mmask16 tail = static_cast<__mmask16>((1u << (length - (padded - 16))) - 1u);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 max = _mm512_mask_loadu_ps(neg_inf, tail, scores + padded - 16);
+  for (int64_t i = 0; i + 16 < padded; i += 16) max = _mm512_max_ps(max, _mm512_loadu_ps(scores + i));
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(max));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < padded; i += 16) {
+    __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + i), m));
+    if (i + 16 == padded) p = _mm512_maskz_mov_ps(tail, p);
+    _mm512_storeu_ps(scores + i, p);
+    sum = _mm512_add_ps(sum, p);
+  }
+  return 1.f / _mm512_reduce_add_ps(sum);
+}
+
+// acc (HC, D) in load_row's order += weights (HC, padded) * the values of one span.
+template <typename T, int NV, int HC>
+PDS_AVX512 void weigh_span(const Span<T>& sp, const float* weights, int64_t padded, float* acc_out) {
+  __m512 acc[HC][NV];
+  for (int g = 0; g < HC; ++g)
+    for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_loadu_ps(acc_out + (g * NV + i) * 16);
+  for (int64_t t = 0; t < sp.count; ++t) {
+    if (t < sp.ahead_count) prefetch_row<T, NV>(sp.ahead + t * sp.ahead_stride);
+    __m512 v[NV];
+    load_row<NV>(sp.rows + t * sp.stride, v);
+    for (int g = 0; g < HC; ++g) {
+      const __m512 p = _mm512_set1_ps(weights[g * padded + sp.pos0 + t]);
+      for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_fmadd_ps(p, v[i], acc[g][i]);
+    }
+  }
+  for (int g = 0; g < HC; ++g)
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc_out + (g * NV + i) * 16, acc[g][i]);
+}
+
+// Head h's span of block j of a pass, prefetching the block kAhead on or, past the end, the next pass's
+// blocks: the value pass's first while the key pass ends, the next task's first keys while the value pass
+// ends, so the stream of misses does not stop between passes.
+template <typename T>
+Span<T> span_of(const Pass<T>& pass, const Pass<T>& next, int64_t j, int64_t h) {
+  Span<T> sp{pass.block_rows(j) + h * pass.head_stride, pass.token_stride, j * pass.block_size, pass.count(j),
+             nullptr, 0, 0};
+  const int64_t ahead = j + kAhead, own = pass.blocks();
+  const Pass<T>& target = ahead < own ? pass : next;
+  const int64_t k = ahead < own ? ahead : ahead - own;
+  if (k < target.blocks() && h < target.heads) {
+    sp.ahead = target.block_rows(k) + h * target.head_stride;
+    sp.ahead_stride = target.token_stride, sp.ahead_count = target.count(k);
+  }
+  return sp;
+}
+
+// Most q heads one call keeps in registers.
+template <int NV>
+constexpr int max_heads() { return NV == 4 ? 5 : 2; }
+
+// f(std::integral_constant<int, n>) for n in 1..max_heads<NV>().
+template <int NV, typename F>
+void with_heads(int64_t n, F&& f) {
+  switch (n) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: if constexpr (max_heads<NV>() >= 3) f(std::integral_constant<int, 3>{}); break;
+    case 4: if constexpr (max_heads<NV>() >= 4) f(std::integral_constant<int, 4>{}); break;
+    case 5: if constexpr (max_heads<NV>() >= 5) f(std::integral_constant<int, 5>{}); break;
+    default: TORCH_CHECK(false, "unreachable: ", n, " heads in one call");
+  }
+}
+
+// Attention for kv heads kv0..kv1-1 of sequence b; next is the key pass the thread runs after this task's.
+template <typename T, int NV, bool BF16_DOT>
+void attend_avx512(const Args<T>& a, int64_t b, int64_t kv0, int64_t kv1, const Pass<T>& next, Scratch& s) {
+  constexpr int64_t D = 16 * NV;
+  const int64_t length = a.context_lens[b], G = a.group, heads = kv1 - kv0, rows = heads * G;
+  T* out = a.out + (b * a.hq + kv0 * G) * D;  // (rows, D)
+  if (length == 0) {
+    for (int64_t i = 0; i < rows * D; ++i) store_f32(0.f, out + i);
+    return;
+  }
+  const int64_t padded = (length + 15) / 16 * 16;
+  s.q.resize(rows * D);
+  s.scores.resize(rows * padded);  // (rows, padded)
+  s.stage.resize(rows * 16 * 16 + 16);  // (rows, 16) vectors, 64-byte aligned
+  s.acc.assign(rows * D, 0.f);
+  s.inv_sum.resize(rows);
+  __m512* stage = reinterpret_cast<__m512*>((reinterpret_cast<uintptr_t>(s.stage.data()) + 63) & ~uintptr_t{63});
+  const T* q = a.q + (b * a.hq + kv0 * G) * D;
+  widen_rows<T, NV>(q, rows, s.q.data());
+
+  // A group's q heads in as few calls as the registers allow, of even sizes (4 with D=128 go as 2 + 2).
+  const int64_t calls = (G + max_heads<NV>() - 1) / max_heads<NV>(), per_call = (G + calls - 1) / calls;
+  const Pass<T> keys = key_pass(a, b, kv0, kv1), values = value_pass(a, b, kv0, kv1);
+  for (int64_t j = 0; j < keys.blocks(); ++j) {
+    for (int64_t h = 0; h < heads; ++h) {
+      Span<T> sp = span_of(keys, values, j, h);
+      for (int64_t g0 = 0; g0 < G; g0 += per_call) {
+        const int64_t r = h * G + g0;
+        const ScoreSink sink{stage + r * 16, s.scores.data() + r * padded, padded, length, a.scale};
+        with_heads<NV>(std::min(per_call, G - g0), [&](auto hc) {
+          if constexpr (BF16_DOT) score_span_bf16<NV, decltype(hc)::value>(q + r * D, sp, sink);
+          else score_span<T, NV, decltype(hc)::value>(s.q.data() + r * D, sp, sink);
+        });
+        sp.ahead_count = 0;  // the group's first call has prefetched
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) s.inv_sum[r] = softmax(s.scores.data() + r * padded, length, padded);
+  for (int64_t j = 0; j < values.blocks(); ++j) {
+    for (int64_t h = 0; h < heads; ++h) {
+      Span<T> sp = span_of(values, next, j, h);
+      for (int64_t g0 = 0; g0 < G; g0 += per_call) {
+        const int64_t r = h * G + g0;
+        with_heads<NV>(std::min(per_call, G - g0), [&](auto hc) {
+          weigh_span<T, NV, decltype(hc)::value>(sp, s.scores.data() + r * padded, padded, s.acc.data() + r * D);
+        });
+        sp.ahead_count = 0;
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t d = 0; d < D; ++d) store_f32(s.acc[r * D + lane_of<T>(d)] * s.inv_sum[r], out + r * D + d);
+}
+
+bool cpu_has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f");
+  return has;
+}
+
+bool cpu_has_avx512_bf16() {
+  static const bool has = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
+#endif  // PDS_HAVE_AVX512
+
+enum class Path { kPortable, kAvx512, kAvx512Bf16 };
+
+// The fastest path this CPU has for head dim d, or a slower one asked for: want is "auto", "avx512" (no
+// AVX512-BF16 instructions) or "portable".
+Path choose_path(int64_t d, bool bf16, const std::string& want) {
+  TORCH_CHECK(want == "auto" || want == "avx512" || want == "portable", "unknown path ", want);
+#if PDS_HAVE_AVX512
+  if (want != "portable" && (d == 64 || d == 128) && cpu_has_avx512())
+    return bf16 && want == "auto" && cpu_has_avx512_bf16() ? Path::kAvx512Bf16 : Path::kAvx512;
+#endif
+  return Path::kPortable;
+}
+
+// Which code serves head dim d at this dtype: "avx512_bf16", "avx512" or "portable".
+std::string path_for(int64_t d, bool bf16, const std::string& want) {
+  switch (choose_path(d, bf16, want)) {
+    case Path::kAvx512Bf16: return "avx512_bf16";
+    case Path::kAvx512: return "avx512";
+    default: return "portable";
+  }
+}
+
+template <typename T>
+void run(const Args<T>& a, int64_t batch, const std::string& want) {
+  const Path path = choose_path(a.d, sizeof(T) == 2, want);
+  // Whole sequences per task, unless there are fewer sequences than threads: then each sequence's kv heads
+  // are shared out too.
+  const int64_t splits = std::min<int64_t>(a.hkv, (at::get_num_threads() + batch - 1) / batch);
+  const int64_t per_task = (a.hkv + splits - 1) / splits, tasks_per_seq = (a.hkv + per_task - 1) / per_task;
+  const auto heads_of = [&](int64_t task) {
+    const int64_t kv0 = task % tasks_per_seq * per_task;
+    return std::make_pair(kv0, std::min(a.hkv, kv0 + per_task));
+  };
+  at::parallel_for(0, batch * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;  // reused across the thread's tasks
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / tasks_per_seq;
+      const auto [kv0, kv1] = heads_of(task);
+#if PDS_HAVE_AVX512
+      if (path != Path::kPortable) {
+        // The next task's keys are prefetched while this one's last values are summed.
+        Pass<T> next;
+        if (task + 1 < end) {
+          const auto [next0, next1] = heads_of(task + 1);
+          next = key_pass(a, (task + 1) / tasks_per_seq, next0, next1);
+        }
+        if constexpr (sizeof(T) == 2) {
+          if (path == Path::kAvx512Bf16) {
+            if (a.d == 64) attend_avx512<T, 4, true>(a, b, kv0, kv1, next, scratch);
+            else attend_avx512<T, 8, true>(a, b, kv0, kv1, next, scratch);
+            continue;
+          }
+        }
+        if (a.d == 64) attend_avx512<T, 4, false>(a, b, kv0, kv1, next, scratch);
+        else attend_avx512<T, 8, false>(a, b, kv0, kv1, next, scratch);
+        continue;
+      }
+#endif
+      for (int64_t kvh = kv0; kvh < kv1; ++kvh) attend_portable<T>(a, b, kvh, scratch);
+    }
+  });
+}
+
+template <typename T>
+Args<T> args_of(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, at::Tensor& out) {
+  Args<T> a;
+  a.q = static_cast<const T*>(q.const_data_ptr());
+  a.key = static_cast<const T*>(key_cache.const_data_ptr());
+  a.value = static_cast<const T*>(value_cache.const_data_ptr());
+  a.k_block = key_cache.stride(0), a.k_token = key_cache.stride(1), a.k_head = key_cache.stride(2);
+  a.v_block = value_cache.stride(0), a.v_token = value_cache.stride(1), a.v_head = value_cache.stride(2);
+  a.block_tables = block_tables.const_data_ptr<int32_t>();
+  a.max_blocks = block_tables.size(1);
+  a.context_lens = context_lens.const_data_ptr<int32_t>();
+  a.hq = q.size(1), a.hkv = key_cache.size(2), a.group = a.hq / a.hkv, a.d = q.size(2);
+  a.block_size = key_cache.size(1);
+  a.scale = static_cast<float>(scale);
+  a.out = static_cast<T*>(out.data_ptr());
+  return a;
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                  const at::Tensor& block_tables_in, const at::Tensor& context_lens_in, double scale,
+                                  const std::string& want) {
+  TORCH_CHECK(q_in.dim() == 3 && key_cache.dim() == 4,
+              "q must be (B, Hq, D) and key_cache (num_blocks, block_size, Hkv, D)");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key_cache and value_cache differ in shape");
+  TORCH_CHECK(q_in.scalar_type() == key_cache.scalar_type() && q_in.scalar_type() == value_cache.scalar_type(),
+              "q, key_cache and value_cache must share a dtype");
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
+  TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1, "the caches' last dim must be contiguous");
+  TORCH_CHECK(block_tables_in.scalar_type() == at::kInt && context_lens_in.scalar_type() == at::kInt,
+              "block_tables and context_lens must be int32");
+  const int64_t batch = q_in.size(0), hq = q_in.size(1), d = q_in.size(2);
+  const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1), hkv = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == d, "q's head dim ", d, " differs from the cache's ", key_cache.size(3));
+  TORCH_CHECK(hkv > 0 && hq % hkv == 0, "Hq (", hq, ") must be a multiple of Hkv (", hkv, ")");
+  TORCH_CHECK(block_tables_in.dim() == 2 && block_tables_in.size(0) == batch, "block_tables must be (B, max_blocks)");
+  TORCH_CHECK(context_lens_in.dim() == 1 && context_lens_in.size(0) == batch, "context_lens must be (B,)");
+  const at::Tensor q = q_in.contiguous(), block_tables = block_tables_in.contiguous();
+  const at::Tensor context_lens = context_lens_in.contiguous();
+
+  // Every block a sequence reads must exist: checked here, once, so the tasks can trust the tables.
+  const int32_t* lens = context_lens.const_data_ptr<int32_t>();
+  const int32_t* tables = block_tables.const_data_ptr<int32_t>();
+  const int64_t max_blocks = block_tables.size(1);
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(lens[b] >= 0 && lens[b] <= max_blocks * block_size, "sequence ", b, ": context length ", lens[b],
+                " outside [0, ", max_blocks * block_size, "]");
+    for (int64_t j = 0; j < (lens[b] + block_size - 1) / block_size; ++j) {
+      const int32_t id = tables[b * max_blocks + j];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "sequence ", b, ": block ", id, " outside [0, ", num_blocks, ")");
+    }
+  }
+
+  at::Tensor out = at::empty({batch, hq, d}, q.options());
+  if (batch == 0) return out;
+  if (q.scalar_type() == at::kFloat)
+    run(args_of<float>(q, key_cache, value_cache, block_tables, context_lens, scale, out), batch, want);
+  else
+    run(args_of<uint16_t>(q, key_cache, value_cache, block_tables, context_lens, scale, out), batch, want);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pdserve_attention, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale, str path=\"auto\") -> Tensor");
+  m.def("path_for(int d, bool bf16, str path=\"auto\") -> str", &path_for);
+}
+
+TORCH_LIBRARY_IMPL(pdserve_attention, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}
