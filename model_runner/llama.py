@@ -74,9 +74,10 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.packed:
             return F.linear(x, self.weight, self.bias)
+        if len(self.pieces) == 1:
+            return _linear(x, self.pieces[0], self.bias, "none")
         a, b = self.spans[0]
-        y = _linear(x[:, a:b], self.pieces[0], self.bias, "none")
-        return self._rest(x, y)
+        return self._rest(x, _linear(x[:, a:b], self.pieces[0], self.bias, "none"))
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed and len(self.pieces) == 1:
@@ -93,6 +94,8 @@ class Linear:
         """(x @ W.T) + other: a residual add"""
         if not self.packed:
             return F.linear(x, self.weight, self.bias) + other
+        if len(self.pieces) == 1:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.pieces[0], self.bias, "add")
         a, b = self.spans[0]
         y = torch.ops.mkldnn._linear_pointwise.binary(x[:, a:b], other, self.pieces[0], self.bias, "add")
         return self._rest(x, y)

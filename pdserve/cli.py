@@ -109,11 +109,12 @@ def main(argv: list[str] | None = None) -> None:
 
     bench = commands.add_parser("bench", help="benchmarks; results as a table or JSON, plus JSON and plots on disk")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    from bench import chaos, decode, interference, kv, prefill, prefix, scenarios, serve
+    from bench import chaos, decode, gemm, interference, kv, prefill, prefix, scenarios, serve
 
     for name, module, summary in (
         ("kv", kv, "KV transfer: gRPC and shared-memory paths against their ceilings"),
         ("decode", decode, "the decode step against its memory-bandwidth floor"),
+        ("gemm", gemm, "the GEMM kernels the fast runner could call, at the default model's shapes"),
         ("prefill", prefill, "batched and chunked prefill against one prompt at a time"),
         ("scenarios", scenarios, "six workloads, colocated against disaggregated"),
         ("interference", interference, "chat streams while long documents arrive"),

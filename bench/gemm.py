@@ -1,0 +1,113 @@
+"""`pdserve bench gemm`: the GEMM kernels the fast runner could call, at the default model's shapes.
+
+For each projection of SmolLM2-135M (fused q/k/v, o, gate, up, down, the tied lm_head) and each batch size,
+this times stock `F.linear`, oneDNN with the weight prepacked once (`torch.ops.mkldnn._reorder_linear_weight` +
+`_linear_pointwise`, what model_runner/llama.py uses) and, in float32, MKL's packed sgemm
+(`torch.ops.mkl._mkl_reorder_linear_weight` + `_mkl_linear`). Weights cycle through as many copies as the
+model has layers, so they stream from memory as in a real step instead of sitting in cache. A large square
+matmul in the same run gives the core's peak, which prefill-sized GEMMs are compared with. It also checks
+batch invariance: whether a row's output has the same bits at every batch size (model_runner/llama.py's split
+reductions are how the runner gets it where a kernel does not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from bench.report import add_output_args, publish
+
+# (out, in) of each projection of SmolLM2-135M-Instruct (hidden 576, 9 q + 3 kv heads of 64, mlp 1536, vocab 49152)
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate": (1536, 576), "up": (1536, 576), "down": (576, 1536),
+          "lm_head": (49152, 576)}
+LAYERS = 30
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch", default="1,8,64,256", help="rows (tokens) per GEMM (default: %(default)s)")
+    parser.add_argument("--dtype", default="bfloat16,float32")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5, help="timed passes over all copies (median)")
+    add_output_args(parser, "gemm", plot=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    rows = []
+    peaks = {}
+    for dtype_name in args.dtype.split(","):
+        dtype = getattr(torch, dtype_name)
+        peaks[dtype_name] = _peak_gflops(dtype)
+        for m in map(int, args.batch.split(",")):
+            for name, (n, k) in SHAPES.items():
+                rows.append(_measure(name, n, k, m, dtype, args.repeats, peaks[dtype_name]))
+    result = {"threads": args.threads, "peak_gflops": peaks, "rows": rows}
+    return publish(args, "gemm", result, lambda: _table(result))
+
+
+def _peak_gflops(dtype: torch.dtype, size: int = 2048) -> float:
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    a @ b
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - started)
+    return 2 * size**3 / min(times) / 1e9
+
+
+def _measure(name: str, n: int, k: int, m: int, dtype: torch.dtype, repeats: int, peak: float) -> dict[str, Any]:
+    copies = 1 if name == "lm_head" else LAYERS  # the head is 113 MB in fp32: one copy is already out of cache
+    weights = [(torch.randn(n, k) * 0.05).to(dtype) for _ in range(copies)]
+    x = torch.randn(m, k).to(dtype)
+    kernels: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
+        "F.linear": [lambda a, w=w: F.linear(a, w) for w in weights]}
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in weights]
+    kernels["onednn_packed"] = [lambda a, p=p: torch.ops.mkldnn._linear_pointwise(a, p, None, "none", [], "")
+                                for p in packed]
+    if dtype == torch.float32:
+        mkl = [(torch.ops.mkl._mkl_reorder_linear_weight(w, m), w) for w in weights]
+        kernels["mkl_packed"] = [lambda a, p=p, w=w: torch.ops.mkl._mkl_linear(a, p, w, None, a.shape[0])
+                                 for p, w in mkl]
+    row: dict[str, Any] = {"gemm": name, "n": n, "k": k, "m": m, "dtype": str(dtype).removeprefix("torch.")}
+    for kernel, calls in kernels.items():
+        for call in calls:
+            call(x)
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            for call in calls:
+                call(x)
+            times.append((time.perf_counter() - started) / len(calls))
+        seconds = statistics.median(times)
+        row[kernel] = {"us": seconds * 1e6, "weight_gbps": n * k * weights[0].element_size() / seconds / 1e9,
+                       "gflops": 2 * m * n * k / seconds / 1e9, "of_peak": 2 * m * n * k / seconds / 1e9 / peak,
+                       "batch_invariant": _invariant(calls[0], k, dtype)}
+    return row
+
+
+def _invariant(call: Callable[[torch.Tensor], torch.Tensor], k: int, dtype: torch.dtype) -> bool:
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(0)).to(dtype)
+    alone = torch.cat([call(x[i : i + 1]) for i in range(8)])
+    return all(torch.equal(call(x[:m])[:8], alone) for m in (8, 16, 33, 64))
+
+
+def _table(result: dict[str, Any]) -> str:
+    peaks = ", ".join(f"{d} {g:.0f} GFLOP/s" for d, g in result["peak_gflops"].items())
+    lines = [f"GEMMs at SmolLM2-135M shapes, {result['threads']} thread(s); peak (2048^3 matmul): {peaks}",
+             f"{'dtype':>8} {'m':>4} {'gemm':>8} | {'F.linear us':>11} {'GB/s':>5} | {'oneDNN us':>9} {'GB/s':>5} "
+             f"{'peak':>5} {'inv':>3} | {'MKL us':>8} {'GB/s':>5}"]
+    for r in result["rows"]:
+        f, o = r["F.linear"], r["onednn_packed"]
+        mkl = r.get("mkl_packed")
+        tail = f"{mkl['us']:>8.0f} {mkl['weight_gbps']:>5.1f}" if mkl else f"{'-':>8} {'-':>5}"
+        lines.append(f"{r['dtype']:>8} {r['m']:>4} {r['gemm']:>8} | {f['us']:>11.0f} {f['weight_gbps']:>5.1f} | "
+                     f"{o['us']:>9.0f} {o['weight_gbps']:>5.1f} {o['of_peak']:>5.0%} "
+                     f"{'yes' if o['batch_invariant'] else 'no':>3} | {tail}")
+    return "\n".join(lines)
