@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
                          help="prefill workers (default: %(default)s); 0 = colocated: decode workers prefill too")
     cluster.add_argument("--decode", type=int, default=1, help="decode workers (default: %(default)s)")
     cluster.add_argument("--model", default=DEFAULT_MODEL, help="model directory or %(default)r")
-    cluster.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    cluster.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     cluster.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     cluster.add_argument("--host", default="127.0.0.1", help="address every service listens on")
     cluster.add_argument("--port", type=int, default=0, help="gateway port (default: a free port)")

@@ -26,7 +26,7 @@ class ClusterConfig:
     prefill: int = 1
     decode: int = 1
     model: str = DEFAULT_MODEL
-    dtype: str = "float32"
+    dtype: str = "bfloat16"
     device: str = "cpu"
     host: str = "127.0.0.1"
     gateway_port: int = 0

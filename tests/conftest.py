@@ -48,8 +48,9 @@ def _tiny_llama(tokenizer_dir: Path, path: Path, layers: int) -> Path:
 
 def start_cluster(model_dir: Path, prefill: int = 1, decode: int = 1, decode_args: tuple[str, ...] = (),
                   prefill_args: tuple[str, ...] = (), colocate_below: int = 0,
-                  gateway_args: tuple[str, ...] = (), tls_dir: str = "") -> Cluster:
-    return start(ClusterConfig(prefill=prefill, decode=decode, model=str(model_dir), threads=1,
+                  gateway_args: tuple[str, ...] = (), tls_dir: str = "", dtype: str = "float32") -> Cluster:
+    """float32 unless asked: most tests compare tokens with Hugging Face `generate` in float32."""
+    return start(ClusterConfig(prefill=prefill, decode=decode, model=str(model_dir), threads=1, dtype=dtype,
                                decode_args=decode_args, prefill_args=prefill_args, startup_timeout_s=180,
                                colocate_below=colocate_below, gateway_args=gateway_args, tls_dir=tls_dir))
 

@@ -24,7 +24,7 @@ MAX_TOKENS = 12
 def runner(default_model_dir: Path) -> LoadedModel:
     """The real model: a random tiny one repeats one token whatever its KV holds, and would hide corruption."""
     torch.set_num_threads(1)
-    return ModelConfig(model=str(default_model_dir)).load()
+    return ModelConfig(model=str(default_model_dir), dtype="float32").load()
 
 
 class _Stream:

@@ -26,7 +26,7 @@ MAX_TOKENS = 6
 @pytest.fixture(scope="module")
 def runner(tiny_model_dir: Path) -> LoadedModel:
     torch.set_num_threads(1)
-    return ModelConfig(model=str(tiny_model_dir)).load()
+    return ModelConfig(model=str(tiny_model_dir), dtype="float32").load()
 
 
 def _poisoned_prefill_pass(passes: list[list[int]]):  # type: ignore[no-untyped-def]

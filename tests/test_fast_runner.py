@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from model_runner import forward
 from model_runner.loading import LoadedModel, ModelConfig, load_model
 from model_runner.paged_cache import BLOCK_SIZE, OutOfBlocks, PagedKVCache, pieces_of
+from pdserve.client import generate
+from tests.conftest import assert_nothing_held, start_cluster
 
 QUALITY_PROMPTS = [
     "The capital of France is",
@@ -109,7 +112,7 @@ def test_a_sequence_gets_the_same_bits_alone_as_in_any_batch(tiny_model_dir: Pat
 
 
 def test_reference_runner_is_token_identical_to_hugging_face(tiny_model_dir: Path) -> None:
-    runner = ModelConfig(model=str(tiny_model_dir), runner="hf").load()
+    runner = ModelConfig(model=str(tiny_model_dir), dtype="float32", runner="hf").load()
     assert runner.fast is None and runner.model is not None
     prompts = [[5, 6, 7, 8, 9], list(range(100, 140))]
     for prompt, (tokens, _) in zip(prompts, greedy(runner, prompts, 12)):
@@ -143,3 +146,30 @@ def test_paged_cache_hands_out_and_takes_back_blocks() -> None:
     cache.free(second)
     assert cache.free_blocks == 5
     assert sorted(cache.allocate(5 * BLOCK_SIZE)) == list(range(5))
+
+
+def test_default_dtype_gives_the_same_tokens_disaggregated_colocated_and_alone(tiny_model_dir: Path) -> None:
+    """bfloat16, the default: concurrent requests through a disaggregated cluster and a colocated one get the
+    tokens the runner gives each prompt alone in this process, greedy; seeded sampling agrees between the two."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = ["The capital of France is", "Write a short poem about the sea and the wind.",
+               "def fibonacci(n):\n    " * 6, "Once upon a time"]
+    runner = ModelConfig(model=str(tiny_model_dir), dtype="bfloat16").load()
+    expected = [greedy(runner, [tokenizer(p).input_ids], 12)[0][0] for p in prompts]
+    clusters = [start_cluster(tiny_model_dir, dtype="bfloat16"),
+                start_cluster(tiny_model_dir, prefill=0, dtype="bfloat16")]
+    try:
+        seeded = []
+        for cluster in clusters:
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                completions = list(pool.map(lambda p, c=cluster: generate(
+                    c.gateway.address, timeout=60, prompt=p, max_tokens=12, temperature=0.0, ignore_eos=True),
+                    prompts))
+            assert [c.token_ids for c in completions] == expected
+            seeded.append(generate(cluster.gateway.address, timeout=60, prompt=prompts[1], max_tokens=12,
+                                   temperature=0.9, seed=7, ignore_eos=True).token_ids)
+            assert_nothing_held(cluster)
+        assert seeded[0] == seeded[1]
+    finally:
+        for cluster in clusters:
+            cluster.stop()

@@ -77,7 +77,7 @@ def test_abandoned_prompts_leave_the_queue() -> None:
 def runner(default_model_dir: Path) -> LoadedModel:
     """The real model, whose first tokens depend on every position of the prompt's KV."""
     torch.set_num_threads(1)
-    return ModelConfig(model=str(default_model_dir)).load()
+    return ModelConfig(model=str(default_model_dir), dtype="float32").load()
 
 
 class _Recorder:

@@ -79,7 +79,7 @@ def test_the_cache_never_exceeds_its_byte_budget(prompts: list[tuple[int, int]],
 @pytest.fixture(scope="module")
 def runner(default_model_dir: Path) -> LoadedModel:
     torch.set_num_threads(1)
-    return ModelConfig(model=str(default_model_dir)).load()
+    return ModelConfig(model=str(default_model_dir), dtype="float32").load()
 
 
 def _assert_its_own(runner: LoadedModel, recorder: _Recorder, outcome: Prefilled) -> None:
