@@ -16,7 +16,9 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -51,6 +53,40 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
             return torch.ops.pdserve_attention.paged_decode_attention(
                 q, key_cache, value_cache, block_tables, context_lens, scale, mode)
     return reference_decode_attention(q, key_cache, value_cache, block_tables, context_lens, scale)
+
+
+class DecodeOps(NamedTuple):
+    """A decode layer's attention and small ops, resolved once per step: the C++ kernels on the CPU, torch
+    elsewhere (same signatures either way)."""
+
+    # (q (B, Hq, D), key_cache, value_cache, block_tables, context_lens, scale) -> (B, Hq, D)
+    attend: Callable[..., torch.Tensor]
+    # (qkv (B, (Hq + 2 Hkv) D), cos (B, D), sin (B, D) with its first half negated, key_cache, value_cache,
+    #  slots (B,) int64, Hq, Hkv) -> q (B, Hq, D) rotated; k rotated and v stored at the slots
+    rope_and_store: Callable[..., torch.Tensor]
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # (x (R, H), weight (H,), eps)
+
+
+def decode_ops(device: torch.device, dtype: torch.dtype) -> DecodeOps:
+    mode = _mode()
+    if mode != "torch" and device.type == "cpu" and dtype in _KERNEL_DTYPES and _load():
+        ops = torch.ops.pdserve_attention
+        return DecodeOps(attend=lambda *args: ops.paged_decode_attention(*args, mode),
+                         rope_and_store=ops.rope_and_store, rms_norm=ops.rms_norm)
+    return DecodeOps(attend=reference_decode_attention, rope_and_store=reference_rope_and_store,
+                     rms_norm=lambda x, weight, eps: torch.rms_norm(x, (x.shape[-1],), weight, eps))
+
+
+def reference_rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
+                             value_cache: torch.Tensor, slots: torch.Tensor, hq: int, hkv: int) -> torch.Tensor:
+    """rope_and_store in plain torch (any device)."""
+    batch, d = qkv.shape[0], key_cache.shape[-1]
+    x = qkv[:, : (hq + hkv) * d].float().view(batch, hq + hkv, d)
+    swapped = x.view(batch, hq + hkv, 2, d // 2).flip(2).view(batch, hq + hkv, d)
+    rotated = (x * cos.float()[:, None] + swapped * sin.float()[:, None]).to(qkv.dtype)
+    key_cache.view(-1, hkv, d).index_copy_(0, slots, rotated[:, hq:])
+    value_cache.view(-1, hkv, d).index_copy_(0, slots, qkv[:, (hq + hkv) * d :].view(batch, hkv, d))
+    return rotated[:, :hq].contiguous()
 
 
 def reference_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from model_runner.attention import decode_ops
+
 log = logging.getLogger(__name__)
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -220,23 +222,19 @@ class LlamaRunner:
     @torch.inference_mode()
     def decode(self, input_ids: torch.Tensor, batch: DecodeBatch, kv: torch.Tensor) -> torch.Tensor:
         """input_ids (B,); kv (layers, 2, num_blocks, block_size, Hkv, D). Returns logits (B, vocab)."""
-        from model_runner.attention import paged_decode_attention
-
-        rows = input_ids.shape[0]
+        ops = decode_ops(self.device, self.dtype)
         x = F.embedding(input_ids, self.embed)  # (B, H)
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # (B, D)
         for index, layer in enumerate(self.layers):
-            h = torch.rms_norm(x, (x.shape[-1],), layer.input_norm, self.eps)
-            qkv = layer.qkv(h).view(rows, 1, -1)
-            q, k = _rope(qkv, self.q_size + self.kv_size, cos[:, None], sin[:, None], self.head_dim)
+            qkv = layer.qkv(ops.rms_norm(x, layer.input_norm, self.eps))
             key_cache, value_cache = kv[index, 0], kv[index, 1]
-            key_cache.view(-1, self.kv_size).index_copy_(0, batch.slots, k[:, 0, self.num_heads :].reshape(rows, -1))
-            value_cache.view(-1, self.kv_size).index_copy_(0, batch.slots, qkv[:, 0, self.q_size + self.kv_size :])
-            attn = paged_decode_attention(q[:, 0, : self.num_heads], key_cache, value_cache, batch.block_tables,
-                                          batch.context_lens, self.scale)  # (B, Hq, D)
-            x = layer.o.plus(attn.reshape(rows, self.q_size), x)
-            x = self._mlp(layer, x)
-        return self._logits(x)
+            q = ops.rope_and_store(qkv, cos, sin, key_cache, value_cache, batch.slots, self.num_heads,
+                                   self.num_kv_heads)
+            attn = ops.attend(q, key_cache, value_cache, batch.block_tables, batch.context_lens, self.scale)
+            x = layer.o.plus(attn.view(x.shape[0], self.q_size), x)
+            h = ops.rms_norm(x, layer.post_norm, self.eps)
+            x = layer.down.plus(layer.up.times(h, layer.gate.silu(h)), x)
+        return self.lm_head(ops.rms_norm(x, self.norm, self.eps))
 
     def _prompt_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: list[int],
                           start: int, mask: torch.Tensor | None) -> torch.Tensor:

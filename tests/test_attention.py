@@ -201,3 +201,31 @@ def _extensions_root() -> Path:
     from torch.utils import cpp_extension
 
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_store_and_rms_norm_kernels_match_torch(dtype: torch.dtype) -> None:
+    """The decode layer's small ops: the C++ ones agree with the torch ones and write only their rows' slots."""
+    from model_runner.attention import decode_ops, reference_rope_and_store
+
+    if not attention.kernel_available():
+        pytest.skip("no C++ kernel here")
+    kernel = decode_ops(torch.device("cpu"), dtype)
+    gen = torch.Generator().manual_seed(0)
+    hq, hkv, d, batch = 9, 3, 64, 5
+    qkv = torch.randn(batch, (hq + 2 * hkv) * d, generator=gen).to(dtype)
+    cos, sin = torch.randn(batch, d, generator=gen).to(dtype), torch.randn(batch, d, generator=gen).to(dtype)
+    slots = torch.tensor([3, 17, 0, 40, 9])
+    caches = [torch.zeros(2, 4, 16, hkv, d, dtype=dtype) for _ in range(2)]
+    q_kernel = kernel.rope_and_store(qkv, cos, sin, caches[0][0], caches[0][1], slots, hq, hkv)
+    q_torch = reference_rope_and_store(qkv, cos, sin, caches[1][0], caches[1][1], slots, hq, hkv)
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
+    torch.testing.assert_close(q_kernel, q_torch, **tolerance)
+    torch.testing.assert_close(caches[0], caches[1], **tolerance)
+    written = caches[0].view(2, -1, hkv * d).abs().sum(-1) > 0
+    assert written.nonzero()[:, 1].unique().tolist() == sorted(slots.tolist())
+    x, weight = torch.randn(7, 576, generator=gen).to(dtype), torch.randn(576, generator=gen).to(dtype)
+    torch.testing.assert_close(kernel.rms_norm(x, weight, 1e-5), torch.rms_norm(x.float(), (576,), weight.float(),
+                                                                                  1e-5).to(dtype), **tolerance)
+    # a row's result does not depend on the rows beside it
+    assert torch.equal(kernel.rms_norm(x, weight, 1e-5)[2:3], kernel.rms_norm(x[2:3], weight, 1e-5))

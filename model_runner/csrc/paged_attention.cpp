@@ -594,14 +594,136 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& key_
   return out;
 }
 
+// ---- The rest of a decode layer's small ops, one call each instead of a dozen torch ops per layer. ----
+
+inline float load_f(float x) { return x; }
+inline float load_f(uint16_t x) {
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline void store_f(float& dst, float x) { dst = x; }
+inline void store_f(uint16_t& dst, float x) {  // round to nearest even, as torch does (NaN kept a NaN)
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {
+    dst = static_cast<uint16_t>((bits >> 16) | 0x40);
+    return;
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  dst = static_cast<uint16_t>(bits >> 16);
+}
+
+// Rotary positions on q and k (rotate-half form, as Llama's), then k and v stored at each row's slot of the paged
+// cache. qkv (B, (Hq + 2 Hkv) D); cos, sin (B, D), sin's first half negated; slots (B,) int64. Returns q (B, Hq, D).
+template <typename T>
+void rope_and_store_rows(const T* qkv, int64_t row_stride, const T* cos, const T* sin, int64_t trig_stride,
+                         const int64_t* slots, T* key, T* value, int64_t slot_stride, T* q_out, int64_t batch,
+                         int64_t hq, int64_t hkv, int64_t d) {
+  const int64_t half = d / 2;
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const T* row = qkv + b * row_stride;
+      const T* c = cos + b * trig_stride;
+      const T* s = sin + b * trig_stride;
+      for (int64_t h = 0; h < hq + hkv; ++h) {
+        const T* x = row + h * d;
+        T* out = h < hq ? q_out + (b * hq + h) * d : key + slots[b] * slot_stride + (h - hq) * d;
+        for (int64_t i = 0; i < d; ++i) {
+          const float swapped = load_f(x[i < half ? i + half : i - half]);
+          store_f(out[i], std::fma(swapped, load_f(s[i]), load_f(x[i]) * load_f(c[i])));
+        }
+      }
+      std::memcpy(value + slots[b] * slot_stride, row + (hq + hkv) * d, sizeof(T) * hkv * d);
+    }
+  });
+}
+
+at::Tensor rope_and_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                          const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& slots,
+                          int64_t hq, int64_t hkv) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be (B, (Hq + 2 Hkv) D), rows contiguous");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  key_cache.sizes() == value_cache.sizes(),
+              "key_cache and value_cache must be contiguous (num_blocks, block_size, Hkv, D)");
+  const int64_t batch = qkv.size(0), d = key_cache.size(3);
+  TORCH_CHECK(key_cache.size(2) == hkv && qkv.size(1) == (hq + 2 * hkv) * d && d % 2 == 0, "shapes disagree");
+  TORCH_CHECK(qkv.scalar_type() == key_cache.scalar_type() && cos.scalar_type() == qkv.scalar_type() &&
+                  sin.scalar_type() == qkv.scalar_type(),
+              "qkv, cos, sin and the caches must share a dtype");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == batch && cos.size(1) == d && cos.stride(1) == 1 &&
+                  sin.sizes() == cos.sizes() && sin.strides() == cos.strides(),
+              "cos and sin must be (B, D)");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == batch, "slots: (B,) int64");
+  const at::Tensor slot = slots.contiguous();
+  const int64_t capacity = key_cache.size(0) * key_cache.size(1);
+  const int64_t* ids = slot.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b)
+    TORCH_CHECK(ids[b] >= 0 && ids[b] < capacity, "row ", b, ": slot ", ids[b], " outside [0, ", capacity, ")");
+  at::Tensor q = at::empty({batch, hq, d}, qkv.options());
+  const int64_t slot_stride = hkv * d;
+  if (qkv.scalar_type() == at::kFloat)
+    rope_and_store_rows<float>(qkv.const_data_ptr<float>(), qkv.stride(0), cos.const_data_ptr<float>(),
+                               sin.const_data_ptr<float>(), cos.stride(0), ids, key_cache.data_ptr<float>(),
+                               value_cache.data_ptr<float>(), slot_stride, q.data_ptr<float>(), batch, hq, hkv, d);
+  else if (qkv.scalar_type() == at::kBFloat16)
+    rope_and_store_rows<uint16_t>(
+        static_cast<const uint16_t*>(qkv.const_data_ptr()), qkv.stride(0),
+        static_cast<const uint16_t*>(cos.const_data_ptr()), static_cast<const uint16_t*>(sin.const_data_ptr()),
+        cos.stride(0), ids, static_cast<uint16_t*>(key_cache.data_ptr()),
+        static_cast<uint16_t*>(value_cache.data_ptr()), slot_stride, static_cast<uint16_t*>(q.data_ptr()), batch,
+        hq, hkv, d);
+  else
+    TORCH_CHECK(false, "float32 or bfloat16 only");
+  return q;
+}
+
+// RMSNorm of each row in float32, rounded once: x (R, H) rows contiguous, weight (H,).
+template <typename T>
+void rms_norm_rows(const T* x, int64_t x_stride, const T* w, T* out, int64_t rows, int64_t h, float eps) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* in = x + r * x_stride;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < h; ++i) sum += load_f(in[i]) * load_f(in[i]);
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(h) + eps);
+      for (int64_t i = 0; i < h; ++i) store_f(out[r * h + i], load_f(in[i]) * inv * load_f(w[i]));
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.dim() == 1 && weight.size(0) == x.size(1) &&
+                  weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
+              "x must be (R, H) with contiguous rows, weight (H,) of x's dtype");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (x.scalar_type() == at::kFloat)
+    rms_norm_rows<float>(x.const_data_ptr<float>(), x.stride(0), weight.const_data_ptr<float>(),
+                         out.data_ptr<float>(), x.size(0), x.size(1), static_cast<float>(eps));
+  else if (x.scalar_type() == at::kBFloat16)
+    rms_norm_rows<uint16_t>(static_cast<const uint16_t*>(x.const_data_ptr()), x.stride(0),
+                            static_cast<const uint16_t*>(weight.const_data_ptr()),
+                            static_cast<uint16_t*>(out.data_ptr()), x.size(0), x.size(1), static_cast<float>(eps));
+  else
+    TORCH_CHECK(false, "float32 or bfloat16 only");
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pdserve_attention, m) {
   m.def("paged_decode_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor context_lens, float scale, str path=\"auto\") -> Tensor");
   m.def("path_for(int d, bool bf16, str path=\"auto\") -> str", &path_for);
+  m.def("rope_and_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slots, int hq, int hkv) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_attention, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("rope_and_store", &rope_and_store);
+  m.impl("rms_norm", &rms_norm);
 }
