@@ -22,7 +22,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from model_runner import prefill_attention
 from model_runner.attention import decode_ops
+from model_runner.prefill_attention import causal_attention
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +173,9 @@ class LlamaRunner:
         head = weights.pop("lm_head.weight", None)
         self.lm_head = Linear((self.embed if head is None else head.to(device=device, dtype=dtype)).contiguous())
         self.cos, self.sin = _rope_tables(config, max_model_len, dtype, device)
+        # the prompt-attention kernel where it runs (its SDPA fallback is not chunk-invariant: used wholly or not)
+        self._causal_kernel = prefill_attention.kernel_path(self.head_dim, dtype) != "torch" and (
+            device.type == "cpu")
 
     @classmethod
     def load(cls, model_dir: Path, dtype: torch.dtype, device: torch.device, max_model_len: int) -> LlamaRunner:
@@ -238,10 +243,20 @@ class LlamaRunner:
 
     def _prompt_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: list[int],
                           start: int, mask: torch.Tensor | None) -> torch.Tensor:
-        """Causal attention of each prompt over its own positions only, never its padding: SDPA's CPU kernel
-        picks its blocking from the sequence length, so a prompt attended within a wider padded batch would get
-        other bits than alone. q (B, Hq, T, D), keys/values (B, Hkv, start + T, D); returns (B, T, Hq * D)."""
+        """Causal attention of each prompt over its own positions only, never its padding. q (B, Hq, T, D),
+        keys/values (B, Hkv, start + T, D); returns (B, T, Hq * D).
+
+        On the CPU the C++ kernel (model_runner/prefill_attention.py) gives row t the same bits whatever the
+        chunking or the batch. SDPA (elsewhere) picks its blocking from the sequence length, so there a prompt is
+        at least never attended within a wider padded batch."""
         batch, _, width, _ = q.shape
+        if self._causal_kernel:
+            out = q.new_zeros(batch, width, self.q_size)
+            for row, length in enumerate(lengths):
+                one = causal_attention(q[row, :, :length], keys[row, :, : start + length],
+                                       values[row, :, : start + length], self.scale, start)  # (Hq, T_row, D)
+                out[row, :length] = one.transpose(0, 1).reshape(length, -1)
+            return out
         if batch == 1 and lengths[0] == width:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
                                                  scale=self.scale, enable_gqa=True)
