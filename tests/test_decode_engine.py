@@ -12,8 +12,8 @@ import torch
 import decode_service.engine as engine_module
 from decode_service.engine import DecodeEngine, Sequence
 from model_runner import forward
-from model_runner.paged_cache import pieces_of
 from model_runner.loading import LoadedModel, ModelConfig
+from model_runner.paged_cache import pieces_of
 from model_runner.sampling import SamplingParams, sample
 
 PROMPTS = [[1, 17, 4242, 99, 7], list(range(300, 340)), [504, 1095, 2208, 314, 3595, 28, 1090, 314, 260, 2632]]
