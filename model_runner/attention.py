@@ -8,35 +8,16 @@ leaves out its AVX512-BF16 instructions, and =portable its AVX-512 code too: the
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import logging
-import os
-import shutil
-import sys
-import threading
-import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-log = logging.getLogger(__name__)
+from model_runner import kernels
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-# No -march: the AVX-512 code is compiled for AVX-512 by function attribute and picked at run time, so one
-# cached build runs on any x86-64 CPU. -fopenmp makes at::parallel_for use torch's OpenMP pool (without it the
-# header's loop runs serially); libgomp.so.1 resolves to the copy torch already loaded, so torch.set_num_threads
-# applies.
-_CFLAGS = ["-O3", "-fopenmp"]
-_LDFLAGS = ["-fopenmp"]
+KERNEL = kernels.Kernel("paged_attention.cpp", "paged attention kernel", "the torch reference")
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _MODES = ("auto", "torch", "avx512", "portable")
-
-_lock = threading.Lock()
-_loaded = False
-_failed = False
 
 
 def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -49,7 +30,7 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     Returns (B, Hq, D) in q's dtype. A sequence of length 0 gets zeros."""
     mode = _mode()
     if mode != "torch" and q.device.type == "cpu" and q.dtype in _KERNEL_DTYPES:
-        if _load():
+        if KERNEL.load():
             return torch.ops.pdserve_attention.paged_decode_attention(
                 q, key_cache, value_cache, block_tables, context_lens, scale, mode)
     return reference_decode_attention(q, key_cache, value_cache, block_tables, context_lens, scale)
@@ -69,7 +50,7 @@ class DecodeOps(NamedTuple):
 
 def decode_ops(device: torch.device, dtype: torch.dtype) -> DecodeOps:
     mode = _mode()
-    if mode != "torch" and device.type == "cpu" and dtype in _KERNEL_DTYPES and _load():
+    if mode != "torch" and device.type == "cpu" and dtype in _KERNEL_DTYPES and KERNEL.load():
         ops = torch.ops.pdserve_attention
         return DecodeOps(attend=lambda *args: ops.paged_decode_attention(*args, mode),
                          rope_and_store=ops.rope_and_store, rms_norm=ops.rms_norm)
@@ -111,82 +92,22 @@ def reference_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_c
 
 def load_kernel() -> bool:
     """Builds (or finds the cached build of) the C++ kernel now rather than on the first call; True if it loaded."""
-    return _load()
+    return KERNEL.load()
 
 
 def kernel_available() -> bool:
     """Whether paged_decode_attention runs the C++ kernel for CPU tensors (building it if not built yet)."""
-    return _mode() != "torch" and _load()
+    return _mode() != "torch" and KERNEL.load()
 
 
 def kernel_path(head_dim: int, dtype: torch.dtype) -> str:
     """Which code serves a CPU call: "avx512_bf16" (bfloat16 dot products), "avx512", "portable" or "torch"."""
     mode = _mode()
-    if mode == "torch" or dtype not in _KERNEL_DTYPES or not _load():
+    if mode == "torch" or dtype not in _KERNEL_DTYPES or not KERNEL.load():
         return "torch"
     path: str = torch.ops.pdserve_attention.path_for(head_dim, dtype == torch.bfloat16, mode)
     return path
 
 
 def _mode() -> str:
-    mode = os.environ.get("PDSERVE_ATTENTION", "auto").lower() or "auto"
-    if mode not in _MODES:
-        raise ValueError(f"PDSERVE_ATTENTION={mode!r}: expected one of {', '.join(_MODES)}")
-    return mode
-
-
-def _load() -> bool:
-    global _loaded, _failed
-    if _loaded or _failed:
-        return _loaded
-    with _lock:
-        if not _loaded and not _failed:
-            try:
-                _build()
-                _loaded = True
-            except Exception as e:  # no compiler, no ninja, a compile error: the reference still works
-                _failed = True
-                log.warning("paged attention kernel unavailable, using the torch reference: %s", str(e)[-2000:])
-    return _loaded
-
-
-def build_directory() -> Path:
-    """Where the kernel is built and cached: torch's extension directory, in a folder named for the source, the
-    flags and torch, so builds of different versions never share (and rebuild over) one directory."""
-    from torch.utils import cpp_extension  # imports setuptools: only when a build is wanted
-
-    digest = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), " ".join(_CFLAGS + _LDFLAGS).encode(),
-                                        torch.__version__.encode()])).hexdigest()[:12]
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    return Path(root) / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / f"pdserve_paged_attention_{digest}"
-
-
-def _build() -> None:
-    from torch.utils import cpp_extension
-
-    build_dir = build_directory()
-    build_dir.mkdir(parents=True, exist_ok=True)
-    _put_ninja_on_path()
-    start = time.perf_counter()
-    # torch serialises builds with a lock file that outlives a builder killed mid-build, leaving every later
-    # process waiting forever. An flock is let go when its holder dies: whoever holds it is the only builder,
-    # so a torch lock file it finds is stale.
-    with open(build_dir / "pdserve.lock", "w") as lock_file:
-        fcntl.flock(lock_file, fcntl.LOCK_EX)
-        (build_dir / "lock").unlink(missing_ok=True)
-        # Registers torch.ops.pdserve_attention (TORCH_LIBRARY, not a Python module: lighter headers, and torch
-        # releases the GIL around the op)
-        cpp_extension.load(name=build_dir.name, sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
-                           extra_ldflags=_LDFLAGS, build_directory=str(build_dir), is_python_module=False,
-                           verbose=False)
-    log.info("paged attention kernel loaded in %.1f s (%s)", time.perf_counter() - start, build_dir)
-
-
-def _put_ninja_on_path() -> None:
-    # torch runs `ninja` from PATH; pip's ninja sits beside the venv's python, off PATH unless it is activated
-    if shutil.which("ninja") is None:
-        try:
-            import ninja
-        except ImportError:
-            return
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    return kernels.mode("PDSERVE_ATTENTION", _MODES)

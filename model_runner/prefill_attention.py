@@ -13,35 +13,19 @@ positions), so a prompt attended whole or in chunks (start > 0) gives the same b
 
 from __future__ import annotations
 
-import fcntl
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import sys
-import threading
-import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
+from model_runner import kernels
 
-_SOURCE = Path(__file__).parent / "csrc" / "prefill_attention.cpp"
-# No -march: the AVX-512 code is compiled for AVX-512 by function attribute and picked at run time, so one
-# cached build runs on any x86-64 CPU. -fopenmp makes at::parallel_for use torch's OpenMP pool. No FMA
-# contraction: a row's arithmetic must not depend on which inlined copy of the code computed it.
-_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
-_LDFLAGS = ["-fopenmp"]
+# No FMA contraction: a row's arithmetic must not depend on which inlined copy of the code computed it.
+KERNEL = kernels.Kernel("prefill_attention.cpp", "prefill attention kernel", "torch SDPA",
+                        cflags=("-ffp-contract=off",))
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _MODES = ("auto", "torch", "avx512", "portable")
 _ENV = "PDSERVE_PREFILL_ATTENTION"
-
-_lock = threading.Lock()
-_loaded = False
-_failed = False
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -71,14 +55,14 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
 
 def load_kernel() -> bool:
     """Builds (or finds the cached build of) the C++ kernel now rather than on the first call; True if it loaded."""
-    return _load()
+    return KERNEL.load()
 
 
 def kernel_path(head_dim: int, dtype: torch.dtype) -> str:
     """Which code serves a CPU call: "avx512_bf16" (bfloat16 dot products), "avx512", "portable" (only when
     asked for: scalar loops, far slower than SDPA) or "torch"."""
     mode = _mode()
-    if mode == "torch" or dtype not in _KERNEL_DTYPES or not _load():
+    if mode == "torch" or dtype not in _KERNEL_DTYPES or not KERNEL.load():
         return "torch"
     return _path_for(head_dim, dtype == torch.bfloat16, mode)
 
@@ -91,65 +75,4 @@ def _path_for(head_dim: int, bf16: bool, mode: str) -> str:
 
 
 def _mode() -> str:
-    mode = os.environ.get(_ENV, "auto").lower() or "auto"
-    if mode not in _MODES:
-        raise ValueError(f"{_ENV}={mode!r}: expected one of {', '.join(_MODES)}")
-    return mode
-
-
-def _load() -> bool:
-    global _loaded, _failed
-    if _loaded or _failed:
-        return _loaded
-    with _lock:
-        if not _loaded and not _failed:
-            try:
-                _build()
-                _loaded = True
-            except Exception as e:  # no compiler, no ninja, a compile error: SDPA still works
-                _failed = True
-                log.warning("prefill attention kernel unavailable, using torch SDPA: %s", str(e)[-2000:])
-    return _loaded
-
-
-def build_directory() -> Path:
-    """Where the kernel is built and cached: torch's extension directory, in a folder named for the source, the
-    flags and torch, so builds of different versions never share (and rebuild over) one directory."""
-    from torch.utils import cpp_extension  # imports setuptools: only when a build is wanted
-
-    digest = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), " ".join(_CFLAGS + _LDFLAGS).encode(),
-                                        torch.__version__.encode()])).hexdigest()[:12]
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    python = f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
-    return Path(root) / python / f"pdserve_prefill_attention_{digest}"
-
-
-def _build() -> None:
-    from torch.utils import cpp_extension
-
-    build_dir = build_directory()
-    build_dir.mkdir(parents=True, exist_ok=True)
-    _put_ninja_on_path()
-    began = time.perf_counter()
-    # torch serialises builds with a lock file that outlives a builder killed mid-build, leaving every later
-    # process waiting forever. An flock is let go when its holder dies: whoever holds it is the only builder,
-    # so a torch lock file it finds is stale.
-    with open(build_dir / "pdserve.lock", "w") as lock_file:
-        fcntl.flock(lock_file, fcntl.LOCK_EX)
-        (build_dir / "lock").unlink(missing_ok=True)
-        # Registers torch.ops.pdserve_prefill (TORCH_LIBRARY, not a Python module: lighter headers, and torch
-        # releases the GIL around the op)
-        cpp_extension.load(name=build_dir.name, sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
-                           extra_ldflags=_LDFLAGS, build_directory=str(build_dir), is_python_module=False,
-                           verbose=False)
-    log.info("prefill attention kernel loaded in %.1f s (%s)", time.perf_counter() - began, build_dir)
-
-
-def _put_ninja_on_path() -> None:
-    # torch runs `ninja` from PATH; pip's ninja sits beside the venv's python, off PATH unless it is activated
-    if shutil.which("ninja") is None:
-        try:
-            import ninja
-        except ImportError:
-            return
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    return kernels.mode(_ENV, _MODES)
