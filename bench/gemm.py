@@ -2,10 +2,13 @@
 
 For each projection of SmolLM2-135M (fused q/k/v, o, gate, up, down, the tied lm_head) and each batch size,
 this times stock `F.linear`, oneDNN with the weight prepacked once (`torch.ops.mkldnn._reorder_linear_weight` +
-`_linear_pointwise`, what model_runner/llama.py uses) and, in float32, MKL's packed sgemm
-(`torch.ops.mkl._mkl_reorder_linear_weight` + `_mkl_linear`). Weights cycle through as many copies as the
-model has layers, so they stream from memory as in a real step instead of sitting in cache. A large square
-matmul in the same run gives the core's peak, which prefill-sized GEMMs are compared with. It also checks
+`_linear_pointwise`, what model_runner/llama.py uses), in float32 MKL's packed sgemm
+(`torch.ops.mkl._mkl_reorder_linear_weight` + `_mkl_linear`) and, where it builds, model_runner/gemm.py's
+small-M kernel ("tinygemm"). Weights cycle through as many copies as the model has layers, so they stream from
+memory as in a real step instead of sitting in cache; the kernels take turns, one pass over the copies each per
+repeat, with a read of 1 GiB (`torch.ones(2**28).sum()`, the memory-bandwidth ceiling decode GEMMs are compared
+with) in every turn, so a noisy machine slows them alike. A large square matmul in the same run gives the core's
+peak, which prefill-sized GEMMs are compared with. It also checks
 batch invariance: whether a row's output has the same bits at every batch size (model_runner/llama.py's split
 reductions are how the runner gets it where a kernel does not).
 """
@@ -13,6 +16,7 @@ reductions are how the runner gets it where a kernel does not).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -22,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.report import add_output_args, publish
+from model_runner import gemm
 
 # (out, in) of each projection of SmolLM2-135M-Instruct (hidden 576, 9 q + 3 kv heads of 64, mlp 1536, vocab 49152)
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate": (1536, 576), "up": (1536, 576), "down": (576, 1536),
@@ -41,13 +46,15 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     rows = []
     peaks = {}
+    ones = torch.ones(2**28)  # 1 GiB to read: the memory-bandwidth ceiling
     for dtype_name in args.dtype.split(","):
         dtype = getattr(torch, dtype_name)
         peaks[dtype_name] = _peak_gflops(dtype)
         for m in map(int, args.batch.split(",")):
             for name, (n, k) in SHAPES.items():
-                rows.append(_measure(name, n, k, m, dtype, args.repeats, peaks[dtype_name]))
-    result = {"threads": args.threads, "peak_gflops": peaks, "rows": rows}
+                rows.append(_measure(name, n, k, m, dtype, args.repeats, peaks[dtype_name], ones))
+    result = {"threads": args.threads, "peak_gflops": peaks, "read_gbps": _read_gbps(ones, 5),
+              "tinygemm": gemm.kernel_path(torch.bfloat16), "rows": rows}
     return publish(args, "gemm", result, lambda: _table(result))
 
 
@@ -62,7 +69,8 @@ def _peak_gflops(dtype: torch.dtype, size: int = 2048) -> float:
     return 2 * size**3 / min(times) / 1e9
 
 
-def _measure(name: str, n: int, k: int, m: int, dtype: torch.dtype, repeats: int, peak: float) -> dict[str, Any]:
+def _measure(name: str, n: int, k: int, m: int, dtype: torch.dtype, repeats: int, peak: float,
+             ones: torch.Tensor) -> dict[str, Any]:
     copies = 1 if name == "lm_head" else LAYERS  # the head is 113 MB in fp32: one copy is already out of cache
     weights = [(torch.randn(n, k) * 0.05).to(dtype) for _ in range(copies)]
     x = torch.randn(m, k).to(dtype)
@@ -75,21 +83,40 @@ def _measure(name: str, n: int, k: int, m: int, dtype: torch.dtype, repeats: int
         mkl = [(torch.ops.mkl._mkl_reorder_linear_weight(w, m), w) for w in weights]
         kernels["mkl_packed"] = [lambda a, p=p, w=w: torch.ops.mkl._mkl_linear(a, p, w, None, a.shape[0])
                                  for p, w in mkl]
+    if gemm.kernel_available():
+        tiny = [gemm.pack(w) for w in weights]
+        kernels["tinygemm"] = [functools.partial(gemm.linear, w=p) for p in tiny]
     row: dict[str, Any] = {"gemm": name, "n": n, "k": k, "m": m, "dtype": str(dtype).removeprefix("torch.")}
-    for kernel, calls in kernels.items():
+    times: dict[str, list[float]] = {kernel: [] for kernel in kernels}
+    reads = []
+    for calls in kernels.values():
         for call in calls:
             call(x)
-        times = []
-        for _ in range(repeats):
+    for _ in range(repeats):  # in turns
+        reads.append(_read_gbps(ones, 1))
+        for kernel, calls in kernels.items():
             started = time.perf_counter()
             for call in calls:
                 call(x)
-            times.append((time.perf_counter() - started) / len(calls))
-        seconds = statistics.median(times)
-        row[kernel] = {"us": seconds * 1e6, "weight_gbps": n * k * weights[0].element_size() / seconds / 1e9,
+            times[kernel].append((time.perf_counter() - started) / len(calls))
+    row["read_gbps"] = statistics.median(reads)
+    for kernel, calls in kernels.items():
+        seconds = statistics.median(times[kernel])
+        gbps = n * k * weights[0].element_size() / seconds / 1e9
+        row[kernel] = {"us": seconds * 1e6, "weight_gbps": gbps, "of_read": gbps / row["read_gbps"],
                        "gflops": 2 * m * n * k / seconds / 1e9, "of_peak": 2 * m * n * k / seconds / 1e9 / peak,
                        "batch_invariant": _invariant(calls[0], k, dtype)}
     return row
+
+
+def _read_gbps(ones: torch.Tensor, repeats: int) -> float:
+    """The read bandwidth of `ones.sum()` (best of `repeats`)."""
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        ones.sum()
+        times.append(time.perf_counter() - started)
+    return ones.numel() * ones.element_size() / min(times) / 1e9
 
 
 def _invariant(call: Callable[[torch.Tensor], torch.Tensor], k: int, dtype: torch.dtype) -> bool:
@@ -100,14 +127,19 @@ def _invariant(call: Callable[[torch.Tensor], torch.Tensor], k: int, dtype: torc
 
 def _table(result: dict[str, Any]) -> str:
     peaks = ", ".join(f"{d} {g:.0f} GFLOP/s" for d, g in result["peak_gflops"].items())
-    lines = [f"GEMMs at SmolLM2-135M shapes, {result['threads']} thread(s); peak (2048^3 matmul): {peaks}",
+    lines = [f"GEMMs at SmolLM2-135M shapes, {result['threads']} thread(s); peak (2048^3 matmul): {peaks}; "
+             f"read {result['read_gbps']:.1f} GB/s (best of 5); tinygemm path: {result['tinygemm']}",
              f"{'dtype':>8} {'m':>4} {'gemm':>8} | {'F.linear us':>11} {'GB/s':>5} | {'oneDNN us':>9} {'GB/s':>5} "
-             f"{'peak':>5} {'inv':>3} | {'MKL us':>8} {'GB/s':>5}"]
+             f"{'read':>4} {'peak':>5} {'inv':>3} | {'MKL us':>8} {'GB/s':>5} | {'tiny us':>8} {'GB/s':>5} "
+             f"{'read':>4} {'inv':>3} | {'read GB/s':>9}"]
     for r in result["rows"]:
         f, o = r["F.linear"], r["onednn_packed"]
-        mkl = r.get("mkl_packed")
-        tail = f"{mkl['us']:>8.0f} {mkl['weight_gbps']:>5.1f}" if mkl else f"{'-':>8} {'-':>5}"
+        mkl, tiny = r.get("mkl_packed"), r.get("tinygemm")
+        mkl_cols = f"{mkl['us']:>8.0f} {mkl['weight_gbps']:>5.1f}" if mkl else f"{'-':>8} {'-':>5}"
+        tiny_cols = (f"{tiny['us']:>8.0f} {tiny['weight_gbps']:>5.1f} {tiny['of_read']:>4.0%} "
+                     f"{'yes' if tiny['batch_invariant'] else 'no':>3}" if tiny else f"{'-':>8} {'-':>5} {'-':>4}   -")
         lines.append(f"{r['dtype']:>8} {r['m']:>4} {r['gemm']:>8} | {f['us']:>11.0f} {f['weight_gbps']:>5.1f} | "
-                     f"{o['us']:>9.0f} {o['weight_gbps']:>5.1f} {o['of_peak']:>5.0%} "
-                     f"{'yes' if o['batch_invariant'] else 'no':>3} | {tail}")
+                     f"{o['us']:>9.0f} {o['weight_gbps']:>5.1f} {o['of_read']:>4.0%} {o['of_peak']:>5.0%} "
+                     f"{'yes' if o['batch_invariant'] else 'no':>3} | {mkl_cols} | {tiny_cols} | "
+                     f"{r['read_gbps']:>9.1f}")
     return "\n".join(lines)

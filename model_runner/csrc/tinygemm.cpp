@@ -1,0 +1,531 @@
+// Small-M GEMMs for decode on the CPU: y = x @ W.T (+ bias), then silu(y), y * other or y + other, for x of a
+// few rows. Built and loaded by model_runner/gemm.py as torch.ops.pdserve_gemm.linear.
+//
+// At decode sizes the weight is read once per step and each weight element meets only M rows of x, so the
+// time is the time to stream the weight from memory. The weight comes packed (model_runner/gemm.py `pack`):
+// outputs in blocks of 16, each block's rows interleaved so that one 64-byte line holds the 16 outputs'
+// weights for one k (float32) or one pair of k (bfloat16, the pairs vdpbf16ps multiplies), a block's lines in
+// order of k. A tile keeps M x NB vectors of 16 float32 sums in registers, one per row and block, and walks k
+// once: every line loaded is used by all M rows. Then bias, post-op and one rounding to the output dtype.
+//
+// Batch invariance by construction: each output is one sum over k, in order of k, whatever M is, whichever
+// tile or thread computes it. Rows past 16 are done 16 at a time over the same weights, in the same order.
+//
+// The AVX-512 code is compiled for AVX-512 by function attribute and chosen at run time, so the one cached
+// build runs on any x86-64 CPU: those without AVX-512 (and other architectures) run the portable loops.
+// Only the ATen headers this needs are included (torch/extension.h would add ~15 s to every first build).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define PDS_HAVE_AVX512 1
+#define PDS_AVX512 __attribute__((target("avx512f,fma")))
+#define PDS_AVX512_BF16 __attribute__((target("avx512f,avx512bf16,fma")))
+#else
+#define PDS_HAVE_AVX512 0
+#endif
+
+namespace {
+
+constexpr int kBlock = 16;  // outputs per block: one vector of float32 sums
+constexpr int kMaxRows = 16;  // rows per tile; more rows run as several tiles over the same weights
+constexpr int kMaxNb = 4;  // most blocks per tile
+constexpr int kGroup = 12;  // blocks whose weights every row tile passes over before the next group (L2-sized)
+// Software prefetch, on top of the hardware's: each weight stream is fetched into L2 kFar lines ahead (running
+// on into the next tile's streams) and into L1 kNear lines ahead. A core reads ~25 GB/s only with ~100 ns of
+// lines in flight; the out-of-order window holds far fewer once every line feeds 8 or more multiply-adds, and
+// the hardware prefetchers start each new stream (4 KB page) cold.
+constexpr int kFar = 64;
+constexpr int kNear = 8;
+
+enum class Path { kPortable, kAvx512, kAvx512Bf16 };
+enum class Post { kNone, kSilu, kMul, kAdd };
+
+// bfloat16 is the top half of a float32
+inline float bf16_to_f32(uint16_t x) {
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float x) {  // round to nearest even (NaN to a quiet NaN), as torch does
+  if (std::isnan(x)) return 0x7fc0;
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// The two bfloat16 of a pair read as one 32-bit word: the first is the low half on little-endian machines
+inline float word_half(uint32_t word, bool first) {
+  constexpr bool little = __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__;
+  const uint32_t bits = first == little ? word << 16 : word & 0xffff0000u;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float pair_first(uint32_t word) { return word_half(word, true); }
+inline float pair_second(uint32_t word) { return word_half(word, false); }
+
+inline float load_f32(const void* p, bool bf16, int64_t i) {
+  return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+
+struct Problem {
+  int64_t m, n, k;
+  int64_t blocks;  // ceil(n / 16)
+  int64_t steps;  // lines per block: k (float32) or ceil(k / 2) (bfloat16)
+  bool bf16;  // x, w and out are bfloat16 (else float32)
+  const void* x;  // (m, k), rows ldx elements apart; bfloat16 rows padded to an even length
+  int64_t ldx;
+  const void* w;  // (blocks, steps, 16 [, 2]): block b starts at element b * 16 * steps [* 2]
+  const void* bias;  // (n,) or null
+  bool bias_bf16;
+  const void* other;  // (m, n), rows ldo elements apart, or null
+  int64_t ldo;
+  bool other_bf16;
+  Post post;
+  void* out;  // (m, n), contiguous
+};
+
+// ---------------------------------------------------------------------------------------------------------
+// Portable path: plain loops over the 16 lanes of a block, which the compiler may vectorise across lanes (each
+// lane's sum keeps its order). The bfloat16 sums add the pair's second product first, as vdpbf16ps does, and
+// products of two bfloat16 are exact in float32: the same bits as the AVX512-BF16 path on normal numbers.
+
+void tile_portable(const Problem& pr, int64_t r0, int rows, int64_t b, float* acc /* (rows, 16) */) {
+  const int64_t block = b * kBlock * pr.steps * (pr.bf16 ? 2 : 1);
+  for (int r = 0; r < rows; ++r) {
+    float* a = acc + r * kBlock;
+    std::fill(a, a + kBlock, 0.f);
+    if (pr.bf16) {
+      // Pairs read as 32-bit words, as the vector code does. (Reading them as two uint16 each, GCC 12.2 -O3
+      // vectorises this loop wrongly: sums of other steps land in lane 0.)
+      const uint16_t* x = static_cast<const uint16_t*>(pr.x) + (r0 + r) * pr.ldx;
+      const uint32_t* w = static_cast<const uint32_t*>(pr.w) + block / 2;
+      for (int64_t s = 0; s < pr.steps; ++s, w += kBlock) {
+        const float x0 = bf16_to_f32(x[2 * s]), x1 = bf16_to_f32(x[2 * s + 1]);
+        for (int j = 0; j < kBlock; ++j) {
+          a[j] += x1 * pair_second(w[j]);
+          a[j] += x0 * pair_first(w[j]);
+        }
+      }
+    } else {
+      const float* x = static_cast<const float*>(pr.x) + (r0 + r) * pr.ldx;
+      const float* w = static_cast<const float*>(pr.w) + block;
+      for (int64_t s = 0; s < pr.steps; ++s, w += kBlock)
+        for (int j = 0; j < kBlock; ++j) a[j] += x[s] * w[j];
+    }
+  }
+}
+
+// Bias, post-op and rounding for rows r0.. of block b, from sums acc (rows, 16).
+void finish_portable(const Problem& pr, int64_t r0, int rows, int64_t b, const float* acc) {
+  const int64_t n0 = b * kBlock;
+  const int lanes = static_cast<int>(std::min<int64_t>(kBlock, pr.n - n0));
+  for (int r = 0; r < rows; ++r) {
+    for (int j = 0; j < lanes; ++j) {
+      float y = acc[r * kBlock + j];
+      if (pr.bias) y += load_f32(pr.bias, pr.bias_bf16, n0 + j);
+      const int64_t i = (r0 + r) * pr.n + n0 + j;
+      switch (pr.post) {
+        case Post::kSilu: y = y / (1.f + std::exp(-y)); break;
+        case Post::kMul: y *= load_f32(pr.other, pr.other_bf16, (r0 + r) * pr.ldo + n0 + j); break;
+        case Post::kAdd: y += load_f32(pr.other, pr.other_bf16, (r0 + r) * pr.ldo + n0 + j); break;
+        case Post::kNone: break;
+      }
+      if (pr.bf16) static_cast<uint16_t*>(pr.out)[i] = f32_to_bf16(y);
+      else static_cast<float*>(pr.out)[i] = y;
+    }
+  }
+}
+
+#if PDS_HAVE_AVX512
+// ---------------------------------------------------------------------------------------------------------
+// AVX-512 paths. A tile is M rows by NB blocks: M x NB sums in registers; each step loads NB weight lines (one
+// per block, each from its own sequential stream) and broadcasts one k (or k pair) of each row.
+
+inline int32_t load_pair(const uint16_t* p) {  // two bfloat16 as one 32-bit word, any alignment
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+constexpr int64_t kLine = 64;  // bytes per step of a block: 16 float32, or 16 pairs of bfloat16
+
+// One tile's work: rows of x against NB consecutive blocks, the sums left in acc (M, NB * 16).
+struct Tile {
+  const char* x;  // the first row
+  int64_t ldx;  // elements between rows
+  const char* w;  // the first block
+  int64_t block_bytes;  // between blocks
+  int64_t steps;  // lines per block
+  const char* next;  // the blocks read after this tile's, prefetched as its own streams run out
+  int next_blocks;  // how many of them (0 at the end of a thread's share)
+  float* acc;
+};
+
+// Prefetches for block j's stream at step s (line = its line s): kFar lines on into L2 (into the next tile's
+// blocks once this one's run out, so the next tile starts warm) and kNear lines on into L1.
+PDS_AVX512 inline void prefetch(const Tile& t, int j, int64_t s, const char* line) {
+  if (s + kFar < t.steps) _mm_prefetch(line + kFar * kLine, _MM_HINT_T1);
+  else if (j < t.next_blocks) _mm_prefetch(t.next + j * t.block_bytes + (s + kFar - t.steps) * kLine, _MM_HINT_T1);
+  _mm_prefetch(line + kNear * kLine, _MM_HINT_T0);
+}
+
+// The first lines of a thread's first tile, which no earlier tile has prefetched: requested all at once, so
+// they arrive together rather than each stream waiting for its own.
+PDS_AVX512 inline void warm_up(const Tile& t, int nb) {
+  for (int j = 0; j < nb; ++j)
+    for (int64_t s = 0; s < std::min<int64_t>(kFar, t.steps); ++s)
+      _mm_prefetch(t.w + j * t.block_bytes + s * kLine, _MM_HINT_T1);
+}
+
+template <int M, int NB>
+PDS_AVX512 inline void store_sums(__m512 (&acc)[M][NB], float* out) {
+#pragma GCC unroll 16
+  for (int r = 0; r < M; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(out + (r * NB + j) * kBlock, acc[r][j]);
+}
+
+// float32 weights: one FMA per row and block per k.
+template <int M, int NB>
+PDS_AVX512 void tile_f32(const Tile& t) {
+  const float* x = reinterpret_cast<const float*>(t.x);
+  __m512 acc[M][NB];
+#pragma GCC unroll 16
+  for (int r = 0; r < M; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < t.steps; ++s) {
+    __m512 wv[NB];
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) {
+      const char* line = t.w + j * t.block_bytes + s * kLine;
+      prefetch(t, j, s, line);
+      wv[j] = _mm512_loadu_ps(line);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < M; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * t.ldx + s]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
+    }
+  }
+  store_sums<M, NB>(acc, t.acc);
+}
+
+// bfloat16 weights on AVX512-BF16: one vdpbf16ps per row and block per pair of k. It adds the pair's second
+// product, then its first, each exact, to the sum.
+template <int M, int NB>
+PDS_AVX512_BF16 void tile_bf16_dp(const Tile& t) {
+  const uint16_t* x = reinterpret_cast<const uint16_t*>(t.x);
+  __m512 acc[M][NB];
+#pragma GCC unroll 16
+  for (int r = 0; r < M; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < t.steps; ++s) {
+    __m512bh wv[NB];
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) {
+      const char* line = t.w + j * t.block_bytes + s * kLine;
+      prefetch(t, j, s, line);
+      wv[j] = (__m512bh)_mm512_loadu_si512(line);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < M; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(load_pair(x + r * t.ldx + 2 * s));
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
+    }
+  }
+  store_sums<M, NB>(acc, t.acc);
+}
+
+// bfloat16 weights on AVX-512 without BF16: each pair widened to two float32 vectors and two FMAs, second
+// product first. Each product is exact, so the sums are those of vdpbf16ps (on normal numbers).
+template <int M, int NB>
+PDS_AVX512 void tile_bf16_fma(const Tile& t) {
+  const uint16_t* x = reinterpret_cast<const uint16_t*>(t.x);
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  __m512 acc[M][NB];
+#pragma GCC unroll 16
+  for (int r = 0; r < M; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < t.steps; ++s) {
+    __m512 w0[NB], w1[NB];
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) {
+      const char* line = t.w + j * t.block_bytes + s * kLine;
+      prefetch(t, j, s, line);
+      const __m512i v = _mm512_loadu_si512(line);
+      w0[j] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      w1[j] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < M; ++r) {
+      const __m512i xp = _mm512_set1_epi32(load_pair(x + r * t.ldx + 2 * s));
+      const __m512 x0 = _mm512_castsi512_ps(_mm512_slli_epi32(xp, 16));
+      const __m512 x1 = _mm512_castsi512_ps(_mm512_and_si512(xp, high));
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) {
+        acc[r][j] = _mm512_fmadd_ps(x1, w1[j], acc[r][j]);
+        acc[r][j] = _mm512_fmadd_ps(x0, w0[j], acc[r][j]);
+      }
+    }
+  }
+  store_sums<M, NB>(acc, t.acc);
+}
+
+// Blocks per tile for M rows: as many as the 32 vector registers hold beside the weights.
+constexpr int nb_for(int m) { return m <= 5 ? 4 : m <= 8 ? 3 : m <= 12 ? 2 : 1; }
+
+using TileFn = void (*)(const Tile&);
+
+template <Path P, bool BF16, int M, int NB>
+void tile_entry(const Tile& t) {
+  if constexpr (!BF16) tile_f32<M, NB>(t);
+  else if constexpr (P == Path::kAvx512Bf16) tile_bf16_dp<M, NB>(t);
+  else tile_bf16_fma<M, NB>(t);
+}
+
+// Tile functions for M = 1..16 rows: [M - 1][0] takes nb_for(M) blocks, [M - 1][1] one block.
+template <Path P, bool BF16, int... I>
+constexpr auto make_table(std::integer_sequence<int, I...>) {
+  struct Table {
+    TileFn fn[sizeof...(I)][2];
+  };
+  return Table{{{&tile_entry<P, BF16, I + 1, nb_for(I + 1)>, &tile_entry<P, BF16, I + 1, 1>}...}};
+}
+
+template <Path P, bool BF16>
+const auto& table() {
+  static constexpr auto t = make_table<P, BF16>(std::make_integer_sequence<int, kMaxRows>{});
+  return t.fn;
+}
+
+PDS_AVX512 inline __m512 exp512(__m512 x) {
+  // max/min with x second keep a NaN; e^100 and e^-100 already round to inf and 0 through scalef
+  x = _mm512_min_ps(_mm512_set1_ps(100.f), _mm512_max_ps(_mm512_set1_ps(-100.f), x));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 16 float32 from p (float32 or bfloat16), lanes past `lanes` zero
+PDS_AVX512 inline __m512 load16(const void* p, bool bf16, int lanes) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1u);
+  if (!bf16) return _mm512_maskz_loadu_ps(mask, p);
+  __m256i h;
+  if (lanes == kBlock) {
+    h = _mm256_loadu_si256(static_cast<const __m256i*>(p));
+  } else {
+    alignas(32) uint16_t tmp[kBlock] = {};
+    std::memcpy(tmp, p, lanes * sizeof(uint16_t));
+    h = _mm256_load_si256(reinterpret_cast<const __m256i*>(tmp));
+  }
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// Bias, post-op and rounding for rows r0.. of blocks b.., from sums acc (rows, nb * 16).
+PDS_AVX512 void finish_avx512(const Problem& pr, int64_t r0, int rows, int64_t b, int nb, const float* acc) {
+  for (int j = 0; j < nb; ++j) {
+    const int64_t n0 = (b + j) * kBlock;
+    const int lanes = static_cast<int>(std::min<int64_t>(kBlock, pr.n - n0));
+    const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1u);
+    const __m512 bias = pr.bias ? load16(static_cast<const char*>(pr.bias) + n0 * (pr.bias_bf16 ? 2 : 4),
+                                         pr.bias_bf16, lanes)
+                                : _mm512_setzero_ps();
+    for (int r = 0; r < rows; ++r) {
+      __m512 y = _mm512_add_ps(_mm512_loadu_ps(acc + (r * nb + j) * kBlock), bias);
+      const int64_t row = r0 + r;
+      if (pr.post == Post::kSilu) {
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), y));
+        y = _mm512_div_ps(y, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+      } else if (pr.post != Post::kNone) {
+        const __m512 o = load16(static_cast<const char*>(pr.other) + (row * pr.ldo + n0) * (pr.other_bf16 ? 2 : 4),
+                                pr.other_bf16, lanes);
+        y = pr.post == Post::kMul ? _mm512_mul_ps(y, o) : _mm512_add_ps(y, o);
+      }
+      if (pr.bf16) {  // as f32_to_bf16
+        const __m512i bits = _mm512_castps_si512(y);
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        __m512i h = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+        h = _mm512_mask_mov_epi32(h, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+        _mm512_mask_cvtepi32_storeu_epi16(static_cast<uint16_t*>(pr.out) + row * pr.n + n0, mask, h);
+      } else {
+        _mm512_mask_storeu_ps(static_cast<float*>(pr.out) + row * pr.n + n0, mask, y);
+      }
+    }
+  }
+}
+
+// Blocks g0..g1 of a thread's share, which ends at block end (first: they are the first of it).
+template <Path P, bool BF16>
+void group_avx512(const Problem& pr, int64_t g0, int64_t g1, int64_t end, bool first) {
+  const auto& fns = table<P, BF16>();
+  const int64_t block_bytes = pr.steps * kLine, elem = BF16 ? 2 : 4;
+  alignas(64) float acc[kMaxRows * kMaxNb * kBlock];
+  for (int64_t r0 = 0; r0 < pr.m; r0 += kMaxRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, pr.m - r0));
+    for (int64_t b = g0; b < g1;) {
+      const int nb = g1 - b >= nb_for(rows) ? nb_for(rows) : 1;
+      const char* w = static_cast<const char*>(pr.w) + b * block_bytes;
+      const Tile t{static_cast<const char*>(pr.x) + r0 * pr.ldx * elem, pr.ldx, w, block_bytes, pr.steps,
+                   w + nb * block_bytes, static_cast<int>(std::min<int64_t>(nb, end - b - nb)), acc};
+      if (first && r0 == 0 && b == g0) warm_up(t, nb);
+      fns[rows - 1][nb == 1](t);
+      finish_avx512(pr, r0, rows, b, nb, acc);
+      b += nb;
+    }
+  }
+}
+#endif
+
+void group_portable(const Problem& pr, int64_t g0, int64_t g1) {
+  float acc[kMaxRows * kBlock];
+  for (int64_t r0 = 0; r0 < pr.m; r0 += kMaxRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, pr.m - r0));
+    for (int64_t b = g0; b < g1; ++b) {
+      tile_portable(pr, r0, rows, b, acc);
+      finish_portable(pr, r0, rows, b, acc);
+    }
+  }
+}
+
+bool cpu_has(const char* feature) {
+#if PDS_HAVE_AVX512
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  static const bool bf16 = __builtin_cpu_supports("avx512bf16");
+  return std::strcmp(feature, "avx512bf16") == 0 ? avx512 && bf16 : avx512;
+#else
+  (void)feature;
+  return false;
+#endif
+}
+
+Path choose_path(bool bf16, const std::string& want) {
+  TORCH_CHECK(want == "auto" || want == "avx512" || want == "portable", "path must be auto, avx512 or portable");
+  if (want == "portable" || !cpu_has("avx512f")) return Path::kPortable;
+  return bf16 && want == "auto" && cpu_has("avx512bf16") ? Path::kAvx512Bf16 : Path::kAvx512;
+}
+
+// Which code serves this dtype: "avx512_bf16", "avx512" or "portable".
+std::string path_for(bool bf16, const std::string& want) {
+  switch (choose_path(bf16, want)) {
+    case Path::kAvx512Bf16: return "avx512_bf16";
+    case Path::kAvx512: return "avx512";
+    default: return "portable";
+  }
+}
+
+void run(const Problem& pr, Path path) {
+  // Chunks of whole groups, each at least ~256 KB of weights, so threads split big GEMMs and leave small ones
+  const int64_t groups = (pr.blocks + kGroup - 1) / kGroup;
+  const int64_t group_bytes = kGroup * kBlock * pr.k * (pr.bf16 ? 2 : 4);
+  const int64_t grain = std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(1, group_bytes));
+  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+    const int64_t last = std::min(pr.blocks, end * kGroup);  // the end of this thread's blocks
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t g0 = g * kGroup, g1 = std::min(pr.blocks, g0 + kGroup);
+#if PDS_HAVE_AVX512
+      if (path == Path::kAvx512Bf16) {
+        group_avx512<Path::kAvx512Bf16, true>(pr, g0, g1, last, g == begin);
+        continue;
+      }
+      if (path == Path::kAvx512) {
+        if (pr.bf16) group_avx512<Path::kAvx512, true>(pr, g0, g1, last, g == begin);
+        else group_avx512<Path::kAvx512, false>(pr, g0, g1, last, g == begin);
+        continue;
+      }
+#endif
+      group_portable(pr, g0, g1);
+    }
+  });
+}
+
+Post post_of(const std::string& post) {
+  if (post == "none") return Post::kNone;
+  if (post == "silu") return Post::kSilu;
+  if (post == "mul") return Post::kMul;
+  if (post == "add") return Post::kAdd;
+  TORCH_CHECK(false, "post must be none, silu, mul or add, not ", post);
+}
+
+// x (M, K), last dim contiguous; packed: (blocks, ceil(K / 2), 16, 2) bfloat16 or (blocks, K, 16) float32, from
+// gemm.pack; n: the weight's rows (outputs); bias (n,); other (M, n), last dim contiguous, for mul and add.
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, const std::optional<at::Tensor>& bias,
+                  const std::string& post, const std::optional<at::Tensor>& other, const std::string& want) {
+  TORCH_CHECK(x_in.dim() == 2, "x must be (M, K)");
+  TORCH_CHECK(x_in.scalar_type() == packed.scalar_type(), "x and the packed weight must share a dtype");
+  const bool bf16 = x_in.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || x_in.scalar_type() == at::kFloat, "float32 or bfloat16 only");
+  TORCH_CHECK(packed.is_contiguous() && packed.dim() == (bf16 ? 4 : 3) && packed.size(2) == kBlock,
+              "the weight must come from gemm.pack");
+  Problem pr{};
+  pr.m = x_in.size(0), pr.k = x_in.size(1), pr.n = n, pr.bf16 = bf16;
+  pr.blocks = packed.size(0), pr.steps = packed.size(1);
+  TORCH_CHECK(pr.blocks == (n + kBlock - 1) / kBlock && pr.steps == (bf16 ? (pr.k + 1) / 2 : pr.k),
+              "x's K or n does not match the packed weight");
+  at::Tensor x = x_in;
+  if (x.stride(1) != 1 || (bf16 && pr.k % 2 == 1)) {  // pairs need an even row: pad with a zero column
+    x = at::empty({pr.m, bf16 ? 2 * pr.steps : pr.k}, x_in.options()).zero_();
+    x.narrow(1, 0, pr.k).copy_(x_in);
+  }
+  pr.x = x.const_data_ptr(), pr.ldx = x.stride(0);
+  pr.w = packed.const_data_ptr();
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(), "bias must be contiguous (n,)");
+    TORCH_CHECK(bias->scalar_type() == at::kFloat || bias->scalar_type() == at::kBFloat16,
+                "bias must be float32 or bfloat16");
+    pr.bias = bias->const_data_ptr(), pr.bias_bf16 = bias->scalar_type() == at::kBFloat16;
+  }
+  pr.post = post_of(post);
+  if (pr.post == Post::kMul || pr.post == Post::kAdd) {
+    TORCH_CHECK(other && other->dim() == 2 && other->size(0) == pr.m && other->size(1) == n && other->stride(1) == 1,
+                "post ", post, " needs other (M, n), last dim contiguous");
+    TORCH_CHECK(other->scalar_type() == at::kFloat || other->scalar_type() == at::kBFloat16,
+                "other must be float32 or bfloat16");
+    pr.other = other->const_data_ptr(), pr.ldo = other->stride(0);
+    pr.other_bf16 = other->scalar_type() == at::kBFloat16;
+  }
+  at::Tensor out = at::empty({pr.m, n}, x_in.options());
+  pr.out = out.data_ptr();
+  if (pr.m > 0 && n > 0) run(pr, choose_path(bf16, want));
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pdserve_gemm, m) {
+  m.def("linear(Tensor x, Tensor packed, int n, Tensor? bias, str post, Tensor? other, str path=\"auto\") -> Tensor");
+  m.def("path_for(bool bf16, str path=\"auto\") -> str", &path_for);
+}
+
+TORCH_LIBRARY_IMPL(pdserve_gemm, CPU, m) {
+  m.impl("linear", &linear);
+}

@@ -1,0 +1,209 @@
+"""Decode GEMMs: y = x @ W.T (+ bias) for x of a few rows, at the speed the weight streams from memory.
+
+`pack` lays a weight out once, at load, in the order the kernel (csrc/tinygemm.cpp) reads it: outputs in blocks
+of 16, one 64-byte line per k (float32) or per pair of k (bfloat16). `linear` then reads each line once for all
+rows of x and can apply SiLU, a product or a residual add to the output before it is stored. A row's output has
+the same bits alone or in any batch, at any thread count: every output is summed over k in order of k.
+
+The kernel is compiled on first use, not on import, and cached in torch's extension directory. Where it cannot be
+built, on other devices, and with PDSERVE_GEMM=torch, F.linear serves instead (not batch invariant).
+PDSERVE_GEMM=avx512 keeps the kernel but leaves out its AVX512-BF16 instructions, and =portable its AVX-512 code
+too: the code older CPUs run. PDSERVE_GEMM is read when a weight is packed; the weight keeps that choice.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "tinygemm.cpp"
+# No -march: the AVX-512 code is compiled for AVX-512 by function attribute and picked at run time, so one
+# cached build runs on any x86-64 CPU. -fopenmp makes at::parallel_for use torch's OpenMP pool (without it the
+# header's loop runs serially); libgomp.so.1 resolves to the copy torch already loaded, so torch.set_num_threads
+# applies. -ffp-contract=off: the portable loops round every product and sum where the source says, never fused.
+_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
+_LDFLAGS = ["-fopenmp"]
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+_MODES = ("auto", "torch", "avx512", "portable")
+_POSTS = ("none", "silu", "mul", "add")
+BLOCK = 16  # outputs per block of the packed layout
+
+_lock = threading.Lock()
+_loaded = False
+_failed = False
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A (out_features, in_features) weight, laid out for the kernel, or as given where F.linear serves."""
+
+    data: torch.Tensor  # blocked: (N/16, ceil(K/2), 16, 2) bf16 or (N/16, K, 16) fp32, N padded; else (N, K)
+    out_features: int
+    in_features: int
+    mode: str | None  # the kernel's PDSERVE_GEMM mode (auto, avx512, portable); None: data is (N, K) for F.linear
+
+    @property
+    def blocked(self) -> bool:
+        return self.mode is not None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+def pack(weight: torch.Tensor) -> PackedWeight:
+    """Lays out a (N, K) float32 or bfloat16 CPU weight for `linear` (a copy; the weight can be freed). Other
+    weights, and all of them where the kernel is off or cannot be built, are kept as they are."""
+    n, k = weight.shape
+    mode = _mode()
+    if not (mode != "torch" and weight.device.type == "cpu" and weight.dtype in _KERNEL_DTYPES and _load()):
+        return PackedWeight(weight, n, k, mode=None)
+    blocks = -(-n // BLOCK)
+    if weight.dtype == torch.bfloat16:
+        pairs = -(-k // 2)
+        padded = F.pad(weight, (0, 2 * pairs - k, 0, blocks * BLOCK - n))  # zeros
+        data = padded.view(blocks, BLOCK, pairs, 2).transpose(1, 2)  # (blocks, pairs, 16, 2)
+    else:
+        padded = F.pad(weight, (0, 0, 0, blocks * BLOCK - n))
+        data = padded.view(blocks, BLOCK, k).transpose(1, 2)  # (blocks, K, 16)
+    return PackedWeight(data.contiguous(), n, k, mode)
+
+
+def unpack(w: PackedWeight) -> torch.Tensor:
+    """The (N, K) weight back."""
+    if not w.blocked:
+        return w.data
+    if w.data.dim() == 4:
+        plain = w.data.transpose(1, 2).reshape(-1, 2 * w.data.shape[1])
+    else:
+        plain = w.data.transpose(1, 2).reshape(-1, w.data.shape[1])
+    return plain[: w.out_features, : w.in_features]
+
+
+def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, *, post: str = "none",
+           other: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) in w's dtype (rows may be strided; a last dim that isn't contiguous is copied) -> (M, N):
+    x @ W.T + bias, then per `post`: "none", "silu" (silu(y)), "mul" (y * other) or "add" (y + other), other
+    (M, N) with its last dim contiguous. Sums, bias and post-op in float32, rounded once to the output dtype.
+    bias (N,) and other may be float32 or w's dtype."""
+    if w.mode is not None and x.is_cpu and x.dtype == w.data.dtype:  # (is_cpu: x.device costs ~0.3 us)
+        out: torch.Tensor = torch.ops.pdserve_gemm.linear(x, w.data, w.out_features, bias, post, other, w.mode)
+        return out
+    return reference_linear(x, w, bias, post=post, other=other)
+
+
+def reference_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, *, post: str = "none",
+                     other: torch.Tensor | None = None) -> torch.Tensor:
+    """linear with F.linear in x's dtype (post-op after rounding); any device."""
+    if post not in _POSTS:
+        raise ValueError(f"post={post!r}: expected one of {', '.join(_POSTS)}")
+    weight = unpack(w).to(x.dtype)
+    y = F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+    if post == "silu":
+        return F.silu(y)
+    if post in ("mul", "add"):
+        if other is None:
+            raise ValueError(f"post={post!r} needs other")
+        return y * other if post == "mul" else y + other
+    return y
+
+
+def load_kernel() -> bool:
+    """Builds (or finds the cached build of) the C++ kernel now rather than on first use; True if it loaded."""
+    return _load()
+
+
+def kernel_available() -> bool:
+    """Whether `pack` lays weights out for the C++ kernel now (building it if not built yet)."""
+    return _mode() != "torch" and _load()
+
+
+def kernel_path(dtype: torch.dtype) -> str:
+    """Which code serves CPU calls on weights packed now: "avx512_bf16" (bfloat16 dot products), "avx512",
+    "portable" or "torch"."""
+    mode = _mode()
+    if mode == "torch" or dtype not in _KERNEL_DTYPES or not _load():
+        return "torch"
+    path: str = torch.ops.pdserve_gemm.path_for(dtype == torch.bfloat16, mode)
+    return path
+
+
+def _mode() -> str:
+    mode = os.environ.get("PDSERVE_GEMM", "auto").lower() or "auto"
+    if mode not in _MODES:
+        raise ValueError(f"PDSERVE_GEMM={mode!r}: expected one of {', '.join(_MODES)}")
+    return mode
+
+
+def _load() -> bool:
+    global _loaded, _failed
+    if _loaded or _failed:
+        return _loaded
+    with _lock:
+        if not _loaded and not _failed:
+            try:
+                _build()
+                _loaded = True
+            except Exception as e:  # no compiler, no ninja, a compile error: F.linear still works
+                _failed = True
+                log.warning("tinygemm kernel unavailable, using F.linear: %s", str(e)[-2000:])
+    return _loaded
+
+
+def build_directory() -> Path:
+    """Where the kernel is built and cached: torch's extension directory, in a folder named for the source, the
+    flags and torch, so builds of different versions never share (and rebuild over) one directory."""
+    from torch.utils import cpp_extension  # imports setuptools: only when a build is wanted
+
+    digest = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), " ".join(_CFLAGS + _LDFLAGS).encode(),
+                                        torch.__version__.encode()])).hexdigest()[:12]
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return Path(root) / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / f"pdserve_tinygemm_{digest}"
+
+
+def _build() -> None:
+    from torch.utils import cpp_extension
+
+    build_dir = build_directory()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    _put_ninja_on_path()
+    start = time.perf_counter()
+    # torch serialises builds with a lock file that outlives a builder killed mid-build, leaving every later
+    # process waiting forever. An flock is let go when its holder dies: whoever holds it is the only builder,
+    # so a torch lock file it finds is stale.
+    with open(build_dir / "pdserve.lock", "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        # Registers torch.ops.pdserve_gemm (TORCH_LIBRARY, not a Python module: lighter headers, and torch
+        # releases the GIL around the op)
+        cpp_extension.load(name=build_dir.name, sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
+                           extra_ldflags=_LDFLAGS, build_directory=str(build_dir), is_python_module=False,
+                           verbose=False)
+    log.info("tinygemm kernel loaded in %.1f s (%s)", time.perf_counter() - start, build_dir)
+
+
+def _put_ninja_on_path() -> None:
+    # torch runs `ninja` from PATH; pip's ninja sits beside the venv's python, off PATH unless it is activated
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
