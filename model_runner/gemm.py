@@ -13,37 +13,19 @@ too: the code older CPUs run. PDSERVE_GEMM is read when a weight is packed; the 
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import logging
-import os
-import shutil
-import sys
-import threading
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
+from model_runner import kernels
 
-_SOURCE = Path(__file__).parent / "csrc" / "tinygemm.cpp"
-# No -march: the AVX-512 code is compiled for AVX-512 by function attribute and picked at run time, so one
-# cached build runs on any x86-64 CPU. -fopenmp makes at::parallel_for use torch's OpenMP pool (without it the
-# header's loop runs serially); libgomp.so.1 resolves to the copy torch already loaded, so torch.set_num_threads
-# applies. -ffp-contract=off: the portable loops round every product and sum where the source says, never fused.
-_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
-_LDFLAGS = ["-fopenmp"]
+# -ffp-contract=off: the portable loops round every product and sum where the source says, never fused.
+KERNEL = kernels.Kernel("tinygemm.cpp", "tinygemm kernel", "F.linear", cflags=("-ffp-contract=off",))
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _MODES = ("auto", "torch", "avx512", "portable")
 _POSTS = ("none", "silu", "mul", "add")
 BLOCK = 16  # outputs per block of the packed layout
-
-_lock = threading.Lock()
-_loaded = False
-_failed = False
 
 
 @dataclass(frozen=True)
@@ -73,7 +55,7 @@ def pack(weight: torch.Tensor) -> PackedWeight:
     weights, and all of them where the kernel is off or cannot be built, are kept as they are."""
     n, k = weight.shape
     mode = _mode()
-    if not (mode != "torch" and weight.device.type == "cpu" and weight.dtype in _KERNEL_DTYPES and _load()):
+    if not (mode != "torch" and weight.device.type == "cpu" and weight.dtype in _KERNEL_DTYPES and KERNEL.load()):
         return PackedWeight(weight, n, k, mode=None)
     blocks = -(-n // BLOCK)
     if weight.dtype == torch.bfloat16:
@@ -127,83 +109,23 @@ def reference_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None
 
 def load_kernel() -> bool:
     """Builds (or finds the cached build of) the C++ kernel now rather than on first use; True if it loaded."""
-    return _load()
+    return KERNEL.load()
 
 
 def kernel_available() -> bool:
     """Whether `pack` lays weights out for the C++ kernel now (building it if not built yet)."""
-    return _mode() != "torch" and _load()
+    return _mode() != "torch" and KERNEL.load()
 
 
 def kernel_path(dtype: torch.dtype) -> str:
     """Which code serves CPU calls on weights packed now: "avx512_bf16" (bfloat16 dot products), "avx512",
     "portable" or "torch"."""
     mode = _mode()
-    if mode == "torch" or dtype not in _KERNEL_DTYPES or not _load():
+    if mode == "torch" or dtype not in _KERNEL_DTYPES or not KERNEL.load():
         return "torch"
     path: str = torch.ops.pdserve_gemm.path_for(dtype == torch.bfloat16, mode)
     return path
 
 
 def _mode() -> str:
-    mode = os.environ.get("PDSERVE_GEMM", "auto").lower() or "auto"
-    if mode not in _MODES:
-        raise ValueError(f"PDSERVE_GEMM={mode!r}: expected one of {', '.join(_MODES)}")
-    return mode
-
-
-def _load() -> bool:
-    global _loaded, _failed
-    if _loaded or _failed:
-        return _loaded
-    with _lock:
-        if not _loaded and not _failed:
-            try:
-                _build()
-                _loaded = True
-            except Exception as e:  # no compiler, no ninja, a compile error: F.linear still works
-                _failed = True
-                log.warning("tinygemm kernel unavailable, using F.linear: %s", str(e)[-2000:])
-    return _loaded
-
-
-def build_directory() -> Path:
-    """Where the kernel is built and cached: torch's extension directory, in a folder named for the source, the
-    flags and torch, so builds of different versions never share (and rebuild over) one directory."""
-    from torch.utils import cpp_extension  # imports setuptools: only when a build is wanted
-
-    digest = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), " ".join(_CFLAGS + _LDFLAGS).encode(),
-                                        torch.__version__.encode()])).hexdigest()[:12]
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    return Path(root) / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / f"pdserve_tinygemm_{digest}"
-
-
-def _build() -> None:
-    from torch.utils import cpp_extension
-
-    build_dir = build_directory()
-    build_dir.mkdir(parents=True, exist_ok=True)
-    _put_ninja_on_path()
-    start = time.perf_counter()
-    # torch serialises builds with a lock file that outlives a builder killed mid-build, leaving every later
-    # process waiting forever. An flock is let go when its holder dies: whoever holds it is the only builder,
-    # so a torch lock file it finds is stale.
-    with open(build_dir / "pdserve.lock", "w") as lock_file:
-        fcntl.flock(lock_file, fcntl.LOCK_EX)
-        (build_dir / "lock").unlink(missing_ok=True)
-        # Registers torch.ops.pdserve_gemm (TORCH_LIBRARY, not a Python module: lighter headers, and torch
-        # releases the GIL around the op)
-        cpp_extension.load(name=build_dir.name, sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
-                           extra_ldflags=_LDFLAGS, build_directory=str(build_dir), is_python_module=False,
-                           verbose=False)
-    log.info("tinygemm kernel loaded in %.1f s (%s)", time.perf_counter() - start, build_dir)
-
-
-def _put_ninja_on_path() -> None:
-    # torch runs `ninja` from PATH; pip's ninja sits beside the venv's python, off PATH unless it is activated
-    if shutil.which("ninja") is None:
-        try:
-            import ninja
-        except ImportError:
-            return
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    return kernels.mode("PDSERVE_GEMM", _MODES)

@@ -215,7 +215,7 @@ def test_no_compiler_falls_back_to_f_linear(tmp_path: Path) -> None:
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
 def test_two_processes_build_at_once(tmp_path: Path) -> None:
     # A torch lock file left by a builder that was killed mid-build: it must not make these wait forever.
-    stale = gemm.build_directory().relative_to(_extensions_root()) / "lock"
+    stale = gemm.KERNEL.build_directory().relative_to(_extensions_root()) / "lock"
     (tmp_path / stale).parent.mkdir(parents=True)
     (tmp_path / stale).touch()
     children = [_child(tmp_path) for _ in range(2)]
