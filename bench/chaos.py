@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
 def _cluster(model: str, prefill: int = 2, decode: int = 2, decode_args: tuple[str, ...] = (),
              gateway_args: tuple[str, ...] = ()) -> Cluster:
     return start(ClusterConfig(prefill=prefill, decode=decode, model=model, threads=1, startup_timeout_s=300,
-                               decode_args=decode_args, gateway_args=gateway_args))
+                               colocate_below=0, decode_args=decode_args, gateway_args=gateway_args))
 
 
 def _held(cluster: Cluster) -> dict[str, float]:

@@ -56,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
                               "requests": args.requests, "multi_turn": {}}
     for mode in MODES:
         cache_mb = "0" if mode == "off" else "512"
-        cluster = start(ClusterConfig(prefill=1, decode=1, model=model, prefill_args=(f"--prefix-cache-mb={cache_mb}",),
+        cluster = start(ClusterConfig(prefill=1, decode=1, model=model, colocate_below=0,
+                                      prefill_args=(f"--prefix-cache-mb={cache_mb}",),
                                       startup_timeout_s=300))
         try:
             address, metrics = cluster.gateway.address, cluster.prefill[0].metrics

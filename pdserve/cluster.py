@@ -20,6 +20,8 @@ from pdserve.logs import LOG_FORMAT_ENV
 from pdserve.tls import TLS
 from pdserve.tls import channel as tls_channel
 
+COLOCATED_CHUNK = 32  # tokens: ~40 ms of bf16 prefill on one core, the most a decode step waits for one
+
 
 @dataclass(frozen=True)
 class ClusterConfig:
@@ -39,7 +41,10 @@ class ClusterConfig:
     gateway_args: tuple[str, ...] = ()  # extra flags for the gateway
     startup_timeout_s: float = 300.0
     pin: bool = True  # give each worker its own cores when there are enough (prefill never steals decode's)
-    colocate_below: int = 0  # the gateway sends prompts shorter than this to decode workers that prefill them
+    # The gateway sends prompts shorter than this to decode workers that prefill them, in chunks of
+    # COLOCATED_CHUNK between decode steps: a chat prompt then neither waits behind a document on the prefill
+    # worker nor stalls the decode batch for long (`pdserve bench serve`, README "Against other servers").
+    colocate_below: int = 512
     trace_dir: str = ""  # every process appends its spans here (OTLP JSON lines) for `pdserve trace`
     log_format: str = ""  # "json": every process logs JSON lines (trace and request ids on request lines)
     tls_dir: str = ""  # mutual TLS between every process, with the certificates deploy/make-certs.sh writes here
@@ -195,9 +200,12 @@ def start(config: ClusterConfig) -> Cluster:
         env[LOG_FORMAT_ENV] = config.log_format
     workers: list[Service] = []
     cpus = iter(config.worker_cpus())
+    # decode workers prefill short prompts in small chunks (a flag in decode_args still wins: the last one does)
+    colocated = [f"--prefill-chunk={COLOCATED_CHUNK}"] if config.colocate_below and config.prefill else []
     try:
         for role, count, ports, extra in (("prefill", config.prefill, config.prefill_ports, config.prefill_args),
-                                          ("decode", config.decode, config.decode_ports, config.decode_args)):
+                                          ("decode", config.decode, config.decode_ports,
+                                           (*colocated, *config.decode_args))):
             for i in range(count):
                 port = ports[i] if ports else 0
                 workers.append(_spawn(role, f"{role}_service", [*worker_flags, *tls_flags(role), *extra,
