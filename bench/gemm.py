@@ -69,20 +69,28 @@ def _peak_gflops(dtype: torch.dtype, size: int = 2048) -> float:
     return 2 * size**3 / min(times) / 1e9
 
 
+def _onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return out
+
+
+def _mkl(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = torch.ops.mkl._mkl_linear(x, packed, weight, None, x.shape[0])
+    return out
+
+
 def _measure(name: str, n: int, k: int, m: int, dtype: torch.dtype, repeats: int, peak: float,
              ones: torch.Tensor) -> dict[str, Any]:
     copies = 1 if name == "lm_head" else LAYERS  # the head is 113 MB in fp32: one copy is already out of cache
     weights = [(torch.randn(n, k) * 0.05).to(dtype) for _ in range(copies)]
     x = torch.randn(m, k).to(dtype)
     kernels: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
-        "F.linear": [lambda a, w=w: F.linear(a, w) for w in weights]}
+        "F.linear": [functools.partial(F.linear, weight=w) for w in weights]}
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in weights]
-    kernels["onednn_packed"] = [lambda a, p=p: torch.ops.mkldnn._linear_pointwise(a, p, None, "none", [], "")
-                                for p in packed]
+    kernels["onednn_packed"] = [functools.partial(_onednn, packed=p) for p in packed]
     if dtype == torch.float32:
         mkl = [(torch.ops.mkl._mkl_reorder_linear_weight(w, m), w) for w in weights]
-        kernels["mkl_packed"] = [lambda a, p=p, w=w: torch.ops.mkl._mkl_linear(a, p, w, None, a.shape[0])
-                                 for p, w in mkl]
+        kernels["mkl_packed"] = [functools.partial(_mkl, packed=p, weight=w) for p, w in mkl]
     if gemm.kernel_available():
         tiny = [gemm.pack(w) for w in weights]
         kernels["tinygemm"] = [functools.partial(gemm.linear, w=p) for p in tiny]
