@@ -186,6 +186,7 @@ def test_no_compiler_falls_back_to_the_reference(tmp_path: Path) -> None:
 @pytest.mark.slow  # two first builds: ~20 s on 2 cores
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
 def test_two_processes_build_at_once(tmp_path: Path) -> None:
+    """model_runner/kernels.Kernel, which builds every C++ kernel, shown on this one."""
     # A torch lock file left by a builder that was killed mid-build: it must not make these wait forever.
     stale = attention.KERNEL.build_directory().relative_to(_extensions_root()) / "lock"
     (tmp_path / stale).parent.mkdir(parents=True)
