@@ -56,7 +56,7 @@ from kv_wire import codec
 from kv_wire.buffers import SegmentMaps
 from kv_wire.layout import DEFAULT_CHUNK_BYTES, KVLayout
 from kv_wire.sender import Item, KVSender, encode_stream
-from model_runner.loading import DEFAULT_MODEL, resolve_model
+from model_runner.loading import DEFAULT_MODEL, DTYPES, resolve_model
 from pdserve import memory
 from pdserve.cluster import Service, _await_ready, _spawn, stop_all
 from pdserve.serving import MESSAGE_LIMITS
@@ -146,8 +146,9 @@ async def _throughput_case(stub: decode_pb2_grpc.DecodeStub, transfer_kv: grpc.a
                            args: argparse.Namespace) -> dict[str, Any]:
     layout = KVLayout(model.num_layers, model.num_kv_heads, model.head_dim, count, model.dtype)
     generator = torch.Generator().manual_seed(count)
-    kv = [(torch.randn(layout.tensor_shape, generator=generator), torch.randn(layout.tensor_shape, generator=generator))
-          for _ in range(layout.num_layers)]
+    dtype = DTYPES[model.dtype]  # the decode worker's, as a prefill worker of the same model would send
+    kv = [(torch.randn(layout.tensor_shape, generator=generator).to(dtype),
+           torch.randn(layout.tensor_shape, generator=generator).to(dtype)) for _ in range(layout.num_layers)]
     nbytes = layout.total_bytes
     samples: dict[str, list[Sample]] = {name: [] for name in PATHS}
     payload = np.random.default_rng(count).integers(0, 256, nbytes, dtype=np.uint8)
