@@ -55,7 +55,6 @@ class Linear:
     in decode and prefill alike. Where the kernel cannot run (another device, no compiler) F.linear serves."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.out_features = weight.shape[0]
         self.bias = bias
         self.weight = gemm.pack(weight)
 
