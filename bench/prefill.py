@@ -1,6 +1,6 @@
 """`pdserve bench prefill`: when batching short prompts pays, what chunking a long one costs, and threads.
 
-The prefill scheduler's defaults come from here (model_runner/scheduling.py). For each prompt length, it runs
+The prefill scheduler's defaults come from here (engine/scheduler.py). For each prompt length, it runs
 `--batch` prompts one by one and then as one right-padded pass (`forward.prefill_pass`), and reports the
 speedup. It runs a `--long`-token prompt whole and in chunks of each `--chunks` size, and reports the ratio.
 Every measurement is the best of `--repeats`, measured side by side in one run, on `--threads` threads.

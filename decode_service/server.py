@@ -30,7 +30,6 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from decode_service.engine import FAILED, DecodeEngine, Sequence
 from decode_service.reservations import (
     CapacityExhausted,
     DecodeParams,
@@ -39,6 +38,8 @@ from decode_service.reservations import (
     Reservation,
     ReservationTable,
 )
+from engine.core import EngineCore
+from engine.sequence import FAILED, Sequence
 from kv_wire import buffers, codec
 from kv_wire.buffers import Buffer, BufferPool
 from kv_wire.layout import MAX_CHUNK_BYTES, KVTransferError, TransferState
@@ -145,9 +146,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.table = ReservationTable(config.max_seqs, budget, spec.kv_bytes_per_token, config.lease_s)
         # Every reservation's blocks fit: the budget in whole blocks, plus a partly used last block per sequence.
         blocks = budget // (BLOCK_SIZE * spec.kv_bytes_per_token) + config.max_seqs
-        self.engine = DecodeEngine(runner, blocks, config.prefill_chunk, config.prefill_batch_tokens,
-                                   on_step=self._observe_step)
-        self.engine.cache.commit(min(int(config.kv_warm_mb * (1 << 20)), budget))
+        self.engine = EngineCore(runner, kv_blocks=blocks, chunk_tokens=config.prefill_chunk,
+                                 batch_tokens=config.prefill_batch_tokens,
+                                 kv_warm_bytes=min(int(config.kv_warm_mb * (1 << 20)), budget),
+                                 on_step=self._observe_step)
         keep = int(config.buffer_keep_mb * (1 << 20))
         self.segments = BufferPool(keep_bytes=keep) if config.kv_shm and buffers.SHM_DIR.is_dir() else None
         self.metrics = Metrics(
@@ -428,7 +430,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 pool.release(segment)
         reservation.phase = Phase.ADMITTED
         reservation.sequence = self._sequence(reservation, tokens=[received.first_token])
-        self.engine.submit(reservation.sequence, received.pieces, release)
+        self.engine.submit_kv(reservation.sequence, received.pieces, release)
 
     def _sequence(self, reservation: Reservation, tokens: list[int]) -> Sequence:
         """The engine's view of a reservation; its tokens stream back through the reservation's events."""
@@ -564,7 +566,7 @@ async def serve(config: DecodeConfig) -> None:
         control.update(kv)
 
     async def shutdown() -> None:
-        await asyncio.to_thread(servicer.engine.stop)
+        await asyncio.to_thread(servicer.engine.close)
         if servicer.segments is not None:
             servicer.segments.close()
 

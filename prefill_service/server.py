@@ -31,6 +31,8 @@ import torch
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
+from engine.core import EngineCore
+from engine.prompts import Abandoned, Prefilled, PromptJob, QueueFull
 from kv_wire import codec
 from kv_wire.buffers import SegmentMaps
 from kv_wire.layout import DEFAULT_CHUNK_BYTES, LOSSY_WIRE_DTYPES, KVLayout, TransferState
@@ -43,7 +45,6 @@ from pdserve import logs, serving, tracing
 from pdserve.metrics import Metrics
 from pdserve.serving import MAX_MESSAGE_BYTES, MESSAGE_LIMITS, ServerConfig, add_server_args, server_config
 from pdserve.tls import aio_channel, require_peer
-from prefill_service.engine import Abandoned, Prefilled, PrefillEngine, PrefillJob, QueueFull
 from protos import prefill_pb2, prefill_pb2_grpc, worker_pb2
 from protos.convert import model_info, sampling_from_pb
 
@@ -158,9 +159,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.prefix_cache = None
         if config.prefix_cache_mb:
             self.prefix_cache = PrefixCache(config.prefix_block_tokens, int(config.prefix_cache_mb * (1 << 20)))
-        self.engine = PrefillEngine(runner, batch_tokens=config.batch_tokens, chunk_tokens=config.prefill_chunk,
-                                    max_queued_tokens=config.max_queued_tokens,
-                                    layer_streaming=config.layer_streaming, prefix_cache=self.prefix_cache)
+        self.engine = EngineCore(runner, batch_tokens=config.batch_tokens, chunk_tokens=config.prefill_chunk,
+                                 max_queued_tokens=config.max_queued_tokens, layer_streaming=config.layer_streaming,
+                                 prefix_cache=self.prefix_cache)
+        self.engine.start()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._segments = SegmentMaps()
         self.metrics = Metrics(
@@ -229,7 +231,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         def finish(outcome: Prefilled | BaseException) -> None:  # engine thread
             loop.call_soon_threadsafe(_settle, result, outcome)
 
-        job = PrefillJob(token_ids, sampling, deliver, finish, abandon, kv_home=home)
+        job = PromptJob(token_ids, sampling, deliver, finish, abandon, kv_home=home)
         arrived = time.perf_counter()
         try:
             try:

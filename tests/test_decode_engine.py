@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import decode_service.engine as engine_module
-from decode_service.engine import DecodeEngine, Sequence
+import engine.prompts as prompts_module
+from engine.core import EngineCore
+from engine.sequence import Sequence
 from model_runner import forward
 from model_runner.loading import LoadedModel, ModelConfig
 from model_runner.paged_cache import pieces_of
@@ -30,7 +31,7 @@ def runner(default_model_dir: Path) -> LoadedModel:
 class _Stream:
     """One sequence in the engine, with its tokens as they are emitted."""
 
-    def __init__(self, engine: DecodeEngine, runner: LoadedModel, prompt: list[int], sampling: SamplingParams,
+    def __init__(self, engine: EngineCore, runner: LoadedModel, prompt: list[int], sampling: SamplingParams,
                  name: str, at: dict[int, Callable[[], None]] | None = None, colocated: bool = False) -> None:
         self.tokens: list[int] = []
         self.finish = ""
@@ -44,7 +45,7 @@ class _Stream:
         logits, kv = forward.prefill(runner, prompt)
         self.tokens = [sample(logits, sampling, position=len(prompt))]
         self.seq.tokens = list(self.tokens)
-        engine.submit(self.seq, pieces_of(kv), release=lambda: None)
+        engine.submit_kv(self.seq, pieces_of(kv), release=lambda: None)
 
     def _emit(self, token_ids: list[int], reason: str) -> None:
         with self.progress:
@@ -61,14 +62,14 @@ class _Stream:
 
 
 def _alone(runner: LoadedModel, prompt: list[int], sampling: SamplingParams) -> list[int]:
-    engine = DecodeEngine(runner, kv_blocks=64)
+    engine = EngineCore(runner, kv_blocks=64)
     engine.start()
     try:
         stream = _Stream(engine, runner, prompt, sampling, "alone")
         stream.wait_for()
         return stream.tokens
     finally:
-        engine.stop()
+        engine.close()
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=7)],
@@ -77,7 +78,7 @@ def test_joining_and_leaving_a_running_batch_changes_no_sequence_tokens(runner: 
                                                                         sampling: SamplingParams) -> None:
     expected = [_alone(runner, prompt, sampling) for prompt in PROMPTS]
     assert all(len(tokens) == MAX_TOKENS for tokens in expected)
-    engine = DecodeEngine(runner, kv_blocks=64)
+    engine = EngineCore(runner, kv_blocks=64)
     paused, resume = threading.Event(), threading.Event()
 
     def pause() -> None:  # holds the engine thread between two steps, so the joins land at a known step
@@ -96,7 +97,7 @@ def test_joining_and_leaving_a_running_batch_changes_no_sequence_tokens(runner: 
         first.wait_for()
         late.wait_for()
     finally:
-        engine.stop()
+        engine.close()
     assert first.tokens == expected[0] and first.finish == "length"
     assert late.tokens == expected[2] and late.finish == "length"
     assert leaver.tokens == expected[1][:3] and not leaver.finish  # aborted: left without a finish
@@ -113,8 +114,8 @@ def test_colocated_prompts_batched_or_chunked_decode_as_they_do_alone(runner: Lo
         passes.append([len(prompt) for prompt in prompts])
         return forward.prefill_pass(runner, prompts, cache)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(engine_module, "prefill_pass", counting_pass)
-    engine = DecodeEngine(runner, kv_blocks=64, prefill_chunk=16)
+    monkeypatch.setattr(prompts_module, "prefill_pass", counting_pass)
+    engine = EngineCore(runner, kv_blocks=64, chunk_tokens=16)
     # all queued before the engine starts: the short two share a pass
     streams = [_Stream(engine, runner, prompt, sampling, f"colocated-{index}", colocated=True)
                for index, prompt in enumerate(PROMPTS)]
@@ -123,7 +124,7 @@ def test_colocated_prompts_batched_or_chunked_decode_as_they_do_alone(runner: Lo
         for stream in streams:
             stream.wait_for()
     finally:
-        engine.stop()
+        engine.close()
     assert [stream.tokens for stream in streams] == expected
     assert [5, 10] in passes and passes.count([16]) == 2 and [8] in passes  # 40 tokens in chunks of 16
     assert engine.live_sequences == 0

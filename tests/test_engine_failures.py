@@ -9,14 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import decode_service.engine as decode_engine_module
-import prefill_service.engine as prefill_engine_module
-from decode_service.engine import FAILED, DecodeEngine, Sequence
+import engine.batch as batch_module
+import engine.prompts as prompts_module
+from engine.core import EngineCore
+from engine.prompts import Prefilled, PromptJob
+from engine.sequence import FAILED, Sequence
 from model_runner import forward
 from model_runner.loading import LoadedModel, ModelConfig
 from model_runner.paged_cache import PagedKVCache, pieces_of
 from model_runner.sampling import SamplingParams, sample
-from prefill_service.engine import Prefilled, PrefillEngine, PrefillJob
 
 POISON = 7777  # a prompt that starts with this token gets NaN logits from the wrapped forward pass
 SAMPLED = SamplingParams(temperature=0.8, seed=3)  # NaN logits make multinomial raise
@@ -49,7 +50,7 @@ class _Outcomes:
     def __init__(self, prompt: list[int], hold: threading.Event | None = None) -> None:
         self.outcomes: list[Prefilled | BaseException] = []
         self.finished, self.entered, self.hold = threading.Event(), threading.Event(), hold
-        self.job = PrefillJob(prompt, SAMPLED, self._deliver, self._finish)
+        self.job = PromptJob(prompt, SAMPLED, self._deliver, self._finish)
 
     def _deliver(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.entered.set()
@@ -65,8 +66,9 @@ def test_a_prompt_whose_first_token_cannot_be_sampled_fails_alone_and_once(
     runner: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     passes: list[list[int]] = []
-    monkeypatch.setattr(prefill_engine_module, "prefill_pass", _poisoned_prefill_pass(passes))
-    engine = PrefillEngine(runner, batch_tokens=256)
+    monkeypatch.setattr(prompts_module, "prefill_pass", _poisoned_prefill_pass(passes))
+    engine = EngineCore(runner, batch_tokens=256)
+    engine.start()
     try:
         # 1. Hold the engine inside a pass, so the next three prompts queue up and share one pass.
         hold = threading.Event()
@@ -121,21 +123,21 @@ def test_a_sequence_whose_next_token_cannot_be_sampled_fails_alone_and_the_batch
                 logits[row] = torch.nan
         return logits
 
-    monkeypatch.setattr(decode_engine_module, "decode_step", poisoned_step)
-    engine = DecodeEngine(runner, kv_blocks=64)
+    monkeypatch.setattr(batch_module, "decode_step", poisoned_step)
+    engine = EngineCore(runner, kv_blocks=64)
     # 1. Three sequences with their prefilled KV, all queued before the engine starts: they join one batch.
     streams = [_Stream(prompt) for prompt in ([1, 17, 4242, 99, 7], list(range(300, 340)), list(range(500, 510)))]
     for stream in streams:
         logits, kv = forward.prefill(runner, stream.prompt)
         stream.tokens = [sample(logits, SAMPLED, position=len(stream.prompt))]
         stream.seq.tokens = list(stream.tokens)
-        engine.submit(stream.seq, pieces_of(kv), release=lambda: None)
+        engine.submit_kv(stream.seq, pieces_of(kv), release=lambda: None)
     engine.start()
     try:
         for stream in streams:
             assert stream.done.wait(60)
     finally:
-        engine.stop()
+        engine.close()
     good, poisoned, other = streams
     # 2. The poisoned sequence failed at its first step; the other two decoded to the end, each finished once.
     assert poisoned.reasons == [FAILED] and len(poisoned.tokens) == 1
@@ -149,8 +151,8 @@ def test_a_colocated_prompt_whose_first_token_cannot_be_sampled_fails_alone(
     runner: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     passes: list[list[int]] = []
-    monkeypatch.setattr(decode_engine_module, "prefill_pass", _poisoned_prefill_pass(passes))
-    engine = DecodeEngine(runner, kv_blocks=64)
+    monkeypatch.setattr(prompts_module, "prefill_pass", _poisoned_prefill_pass(passes))
+    engine = EngineCore(runner, kv_blocks=64)
     # 1. Three prompts queued before the engine starts share one prefill pass; the poisoned one is in the middle.
     streams = [_Stream(prompt) for prompt in ([1, 17, 4242, 99, 7], [POISON, 5, 6], list(range(500, 510)))]
     for stream in streams:
@@ -160,7 +162,7 @@ def test_a_colocated_prompt_whose_first_token_cannot_be_sampled_fails_alone(
         for stream in streams:
             assert stream.done.wait(60)
     finally:
-        engine.stop()
+        engine.close()
     assert [5, 3, 10] in passes
     good, poisoned, other = streams
     # 2. The poisoned prompt failed without a token; the first row, admitted before it, was not failed again.

@@ -8,27 +8,28 @@ from pathlib import Path
 import pytest
 import torch
 
-import prefill_service.engine as engine_module
+import engine.prompts as prompts_module
+from engine.core import EngineCore
+from engine.prompts import Abandoned, Prefilled, PromptJob, QueueFull
+from engine.scheduler import PromptScheduler
 from model_runner import forward
 from model_runner.loading import LoadedModel, ModelConfig
 from model_runner.prefix_cache import PrefixCache
 from model_runner.sampling import SamplingParams
-from model_runner.scheduling import PromptScheduler
-from prefill_service.engine import Abandoned, Prefilled, PrefillEngine, PrefillJob, QueueFull
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def _job(length: int) -> PrefillJob:
-    return PrefillJob(list(range(1, length + 1)), GREEDY, lambda *_: None, lambda _: None)
+def _job(length: int) -> PromptJob:
+    return PromptJob(list(range(1, length + 1)), GREEDY, lambda *_: None, lambda _: None)
 
 
-def _lengths(jobs: list[PrefillJob]) -> list[int]:
+def _lengths(jobs: list[PromptJob]) -> list[int]:
     return [len(job.token_ids) for job in jobs]
 
 
 def test_short_prompts_share_a_pass_while_the_padded_batch_fits() -> None:
-    scheduler: PromptScheduler[PrefillJob] = PromptScheduler(batch_tokens=120, chunk_tokens=64)
+    scheduler: PromptScheduler[PromptJob] = PromptScheduler(batch_tokens=120, chunk_tokens=64)
     for length in (30, 40, 50, 10, 20):
         scheduler.add(_job(length))
     # 30, 40 pad to 2 x 40; 50 would make 3 x 50 > 120; 10 fits (3 x 40); 20 would make 4 x 40 > 120
@@ -38,7 +39,7 @@ def test_short_prompts_share_a_pass_while_the_padded_batch_fits() -> None:
 
 
 def test_a_prompt_wider_than_the_batch_budget_runs_alone() -> None:
-    scheduler: PromptScheduler[PrefillJob] = PromptScheduler(batch_tokens=16, chunk_tokens=64)
+    scheduler: PromptScheduler[PromptJob] = PromptScheduler(batch_tokens=16, chunk_tokens=64)
     for length in (40, 8):
         scheduler.add(_job(length))
     assert _lengths(scheduler.next_pass()) == [40]
@@ -46,7 +47,7 @@ def test_a_prompt_wider_than_the_batch_budget_runs_alone() -> None:
 
 
 def test_long_prompts_take_turns_with_short_ones_and_run_oldest_first() -> None:
-    scheduler: PromptScheduler[PrefillJob] = PromptScheduler(batch_tokens=64, chunk_tokens=32)
+    scheduler: PromptScheduler[PromptJob] = PromptScheduler(batch_tokens=64, chunk_tokens=32)
     first_long, second_long = _job(100), _job(90)
     scheduler.add(first_long)
     scheduler.add(second_long)
@@ -62,7 +63,7 @@ def test_long_prompts_take_turns_with_short_ones_and_run_oldest_first() -> None:
 
 
 def test_abandoned_prompts_leave_the_queue() -> None:
-    scheduler: PromptScheduler[PrefillJob] = PromptScheduler(batch_tokens=64, chunk_tokens=32)
+    scheduler: PromptScheduler[PromptJob] = PromptScheduler(batch_tokens=64, chunk_tokens=32)
     kept, gone, gone_long = _job(5), _job(6), _job(50)
     for job in (kept, gone, gone_long):
         scheduler.add(job)
@@ -90,7 +91,7 @@ class _Recorder:
         self.finished = threading.Event()
         self.entered = threading.Event()
         self.hold = hold
-        self.job = PrefillJob(prompt, GREEDY, self._deliver, self._finish)
+        self.job = PromptJob(prompt, GREEDY, self._deliver, self._finish)
 
     def _deliver(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         assert layer not in self.layers
@@ -121,8 +122,9 @@ def test_batched_and_chunked_prompts_get_exactly_their_own_kv_and_first_token(
         passes.append([len(prompt) for prompt in prompts])
         return forward.prefill_pass(runner, prompts, cache)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(engine_module, "prefill_pass", counting_pass)
-    engine = PrefillEngine(runner, batch_tokens=96, chunk_tokens=40, layer_streaming=layer_streaming)
+    monkeypatch.setattr(prompts_module, "prefill_pass", counting_pass)
+    engine = EngineCore(runner, batch_tokens=96, chunk_tokens=40, layer_streaming=layer_streaming)
+    engine.start()
     try:
         hold = threading.Event()
         blocker = _Recorder([1, 2, 3], hold)
@@ -160,8 +162,9 @@ def test_a_prompt_with_a_kv_home_is_computed_straight_into_it(runner: LoadedMode
     layers delivered to the sender are views of it; for a prompt alone in its pass, one run as chunks, and one that
     continues a cached prefix."""
     spec = runner.spec
-    engine = PrefillEngine(runner, chunk_tokens=40, layer_streaming=layer_streaming,
+    engine = EngineCore(runner, chunk_tokens=40, layer_streaming=layer_streaming,
                            prefix_cache=PrefixCache(block_tokens=16, budget_bytes=64 << 20))
+    engine.start()
     long = list(range(900, 1000))
     try:
         for prompt, cached in ((list(range(200, 213)), 0), (long, 0), ([*long, 5, 6, 7], 96)):
@@ -185,7 +188,8 @@ def test_a_prompt_with_a_kv_home_is_computed_straight_into_it(runner: LoadedMode
 
 
 def test_a_full_queue_refuses_and_abandoned_prompts_release_their_tokens(runner: LoadedModel) -> None:
-    engine = PrefillEngine(runner, max_queued_tokens=30)
+    engine = EngineCore(runner, max_queued_tokens=30)
+    engine.start()
     try:
         hold = threading.Event()
         blocker = _Recorder([1] * 10, hold)
@@ -222,8 +226,9 @@ def test_a_long_prompt_abandoned_mid_chunk_stops_at_the_next_layer_and_sends_not
             long.job.abandon.set()  # the client leaves just as the second chunk starts
         return forward.prefill_pass(runner, prompts, cache)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(engine_module, "prefill_pass", abandoning_pass)
-    engine = PrefillEngine(runner, chunk_tokens=16)
+    monkeypatch.setattr(prompts_module, "prefill_pass", abandoning_pass)
+    engine = EngineCore(runner, chunk_tokens=16)
+    engine.start()
     try:
         engine.submit(long.job)
         assert isinstance(long.wait(), Abandoned)

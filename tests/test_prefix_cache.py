@@ -14,13 +14,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.core import EngineCore
+from engine.prompts import Abandoned, Prefilled
 from model_runner import forward
 from model_runner.loading import LoadedModel, ModelConfig
 from model_runner.prefix_cache import PrefixCache, block_names
 from pdserve.client import generate
 from pdserve.cluster import Cluster
 from pdserve.metrics import scrape
-from prefill_service.engine import Abandoned, Prefilled, PrefillEngine
 from tests.conftest import assert_nothing_held, start_cluster
 from tests.test_generate_e2e import hf_greedy
 from tests.test_prefill_engine import _Recorder
@@ -99,7 +100,8 @@ def test_hits_partial_hits_and_evictions_give_each_prompt_exactly_its_own_kv_and
     system = list(range(1000, 1040))  # 40 tokens: 2 blocks of 16, and 8 more
     block_bytes = runner.spec.kv_bytes_per_token * 16
     cache = PrefixCache(16, budget_bytes=5 * block_bytes)  # small: the later prompts evict earlier blocks
-    engine = PrefillEngine(runner, chunk_tokens=32, layer_streaming=layer_streaming, prefix_cache=cache)
+    engine = EngineCore(runner, chunk_tokens=32, layer_streaming=layer_streaming, prefix_cache=cache)
+    engine.start()
     prompts = [
         (system + [5, 6, 7], 0),  # cold: computes all 43, caches 2 blocks
         (system + [8, 9], 32),  # hit: both blocks
@@ -122,16 +124,17 @@ def test_hits_partial_hits_and_evictions_give_each_prompt_exactly_its_own_kv_and
 
 
 @pytest.fixture
-def cached_engine(runner: LoadedModel) -> Iterator[tuple[PrefillEngine, PrefixCache]]:
+def cached_engine(runner: LoadedModel) -> Iterator[tuple[EngineCore, PrefixCache]]:
     """An engine with a roomy prefix cache, running 16-token chunks: 48 tokens are three passes and three blocks."""
     cache = PrefixCache(16, budget_bytes=1 << 30)
-    engine = PrefillEngine(runner, chunk_tokens=16, prefix_cache=cache)
+    engine = EngineCore(runner, chunk_tokens=16, prefix_cache=cache)
+    engine.start()
     yield engine, cache
     engine.close()
 
 
 def test_prompts_queued_together_reuse_the_prefix_the_first_one_computes(
-    runner: LoadedModel, cached_engine: tuple[PrefillEngine, PrefixCache]
+    runner: LoadedModel, cached_engine: tuple[EngineCore, PrefixCache]
 ) -> None:
     engine, _ = cached_engine
     system = list(range(600, 640))  # 2 full blocks and 8 tokens
@@ -152,7 +155,7 @@ def test_prompts_queued_together_reuse_the_prefix_the_first_one_computes(
     assert (engine.queued_tokens, engine.live_jobs) == (0, 0)
 
 
-def test_a_cancelled_prompt_leaves_no_entry(cached_engine: tuple[PrefillEngine, PrefixCache]) -> None:
+def test_a_cancelled_prompt_leaves_no_entry(cached_engine: tuple[EngineCore, PrefixCache]) -> None:
     engine, cache = cached_engine
     hold = threading.Event()
     doomed = _Recorder(list(range(500, 548)), hold)  # 3 chunks; held inside its last chunk's first layer

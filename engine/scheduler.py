@@ -1,4 +1,4 @@
-"""Which prompts the next prefill pass runs: shared by the prefill worker and the colocated decode engine.
+"""Which prompts the next prompt pass runs, in either role (a prefill worker, or colocated prompts on decode).
 
 Two kinds of pass:
 - a batch of short prompts (at most one chunk each), right-padded into one pass while the padded batch stays

@@ -1,0 +1,174 @@
+"""The engine core: one thread owns the model; requests reach it through queues. Configured by role, the way
+vLLM runs one EngineCoreProc for every role:
+- prefill (no KV blocks): prompt passes back to back; each prompt's KV goes out through its job's `deliver`;
+- decode (`kv_blocks` > 0): a continuous batch (batch.py) that sequences join once their KV arrived, and between
+  two decode steps one pass of colocated prompts, scheduled as on a prefill worker: short prompts batched, long
+  ones in chunks taking turns with them (chunked prefill, as vLLM does by default). So a long prompt delays
+  running streams by one chunk at a time, never by its whole forward pass.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from engine.batch import DecodeBatch
+from engine.prompts import Abandoned, Prefilled, PromptJob, PromptQueue
+from engine.sequence import FAILED, Sequence
+from model_runner.loading import LoadedModel
+from model_runner.paged_cache import KVPieces, pieces_of
+from model_runner.prefix_cache import PrefixCache
+
+log = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, runner: LoadedModel, *, kv_blocks: int = 0, batch_tokens: int = 256,
+                 chunk_tokens: int = 256, max_queued_tokens: int | None = None, layer_streaming: bool = True,
+                 prefix_cache: PrefixCache | None = None, kv_warm_bytes: int = 0,
+                 on_step: Callable[[float, int], None] | None = None) -> None:
+        """`kv_blocks` > 0 makes a decode core with a paged cache of that many blocks; 0, a prefill core.
+        `max_queued_tokens`: the prompt queue's token budget (None: unbounded). `kv_warm_bytes`: KV cache memory
+        committed now, so that joins do not stall steps on page faults. `on_step(seconds, batch size)`:
+        after every decode step, on the engine thread."""
+        self.runner = runner
+        self._wake = threading.Condition()  # re-entrant: the prompt queue finishes jobs under it
+        self.prompts = PromptQueue(runner, self._wake, batch_tokens=batch_tokens, chunk_tokens=chunk_tokens,
+                                   max_queued_tokens=max_queued_tokens, layer_streaming=layer_streaming,
+                                   prefix_cache=prefix_cache)
+        self.batch = DecodeBatch(runner, kv_blocks, on_step) if kv_blocks else None
+        if self.batch is not None:
+            self.batch.cache.commit(kv_warm_bytes)
+        self._joining: collections.deque[tuple[Sequence, KVPieces, Callable[[], None]]] = collections.deque()
+        self._abort_pending = False
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name=f"engine-{self.role}", daemon=True)
+
+    @property
+    def role(self) -> str:
+        return "prefill" if self.batch is None else "decode"
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop after the pass under way; prompts still queued finish with Abandoned."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+
+    # Called from the services' event loops.
+    def submit(self, job: PromptJob) -> None:
+        """Queue a prompt; raises QueueFull when it would overflow the token budget, Abandoned when stopping."""
+        with self._wake:
+            if self._stopping:
+                raise Abandoned("the engine is shutting down")
+            self.prompts.add(job)
+            self._wake.notify()
+
+    def submit_prompt(self, seq: Sequence, prompt: list[int]) -> None:
+        """Queue a colocated request: its prompt pass runs here, its first token is emitted, then it decodes."""
+        seq.submitted_at = time.perf_counter()
+        try:
+            self.submit(PromptJob(prompt, seq.sampling, None, lambda outcome: self._prompt_done(seq, outcome),
+                                  seq.abandon))
+        except Abandoned:  # shutting down
+            seq.emit([], FAILED)
+
+    def submit_kv(self, seq: Sequence, kv: KVPieces, release: Callable[[], None]) -> None:
+        """Queue a prefilled sequence to join at the next step; `release()` once `kv` was copied in (or dropped)."""
+        seq.submitted_at = time.perf_counter()
+        with self._wake:
+            self._joining.append((seq, kv, release))
+            self._wake.notify()
+
+    def abort(self, seq: Sequence) -> None:
+        with self._wake:
+            seq.abandon.set()
+            self._abort_pending = True
+            self._wake.notify()
+
+    def wake(self) -> None:
+        """Look at the queues again now (a prompt was abandoned)."""
+        with self._wake:
+            self._wake.notify()
+
+    # Gauges.
+    @property
+    def live_jobs(self) -> int:
+        """Prompts submitted and not finished."""
+        return self.prompts.live_jobs
+
+    @property
+    def queued_tokens(self) -> int:
+        return self.prompts.queued_tokens
+
+    @property
+    def waiting(self) -> int:
+        """Prompts queued (a long prompt part-way through its chunks included)."""
+        with self._wake:
+            return len(self.prompts)
+
+    @property
+    def running(self) -> int:
+        """Sequences in the decode batch."""
+        return 0 if self.batch is None else len(self.batch)
+
+    @property
+    def live_sequences(self) -> int:
+        """Sequences prefilling here, waiting to join, or in the batch."""
+        with self._wake:
+            return self.running + len(self._joining) + self.prompts.live_jobs
+
+    # The engine thread.
+    def _loop(self) -> None:
+        while self._wait_for_work():
+            try:
+                self._decode_step()
+                self.prompts.run_next_pass()
+            except Exception:  # each stage fails its own requests; this guard keeps the thread serving the rest
+                log.exception("engine iteration failed")
+        with self._wake:
+            self.prompts.drain("the engine shut down")
+
+    def _wait_for_work(self) -> bool:
+        with self._wake:
+            while not (self._stopping or self.running or self._joining or self.prompts or self._abort_pending):
+                self._wake.wait()
+            self._abort_pending = False
+            return not self._stopping
+
+    def _decode_step(self) -> None:
+        """Joins and leaves, then one step of the batch: nothing on a prefill core."""
+        if self.batch is None:
+            return
+        with self._wake:
+            joining, self._joining = list(self._joining), collections.deque()
+        # Leave first: a joiner may need the blocks an aborted sequence is giving up.
+        self.batch.leave([seq for seq in self.batch.running if seq.aborted])
+        for seq, kv, release in joining:
+            try:
+                self.batch.start(seq, kv)
+            finally:
+                release()
+        if self.batch.running:
+            self.batch.step()
+
+    def _prompt_done(self, seq: Sequence, outcome: Prefilled | BaseException) -> None:
+        """A colocated prompt's pass ended: its first token goes out, and it joins the batch."""
+        assert self.batch is not None, "colocated prompts run on a decode core"
+        if seq.aborted:
+            return  # Generate's handler already ended its call
+        if isinstance(outcome, BaseException):
+            seq.emit([], FAILED)  # logged where it failed
+            return
+        seq.tokens = [outcome.first_token]
+        reason = seq.finish_reason(self.batch.max_len)
+        seq.emit(seq.tokens[:], reason)
+        if not reason:
+            self.batch.join(seq, pieces_of(outcome.kv))
