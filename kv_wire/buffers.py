@@ -161,16 +161,22 @@ class LentSegment:
 
 
 class SegmentMaps:
-    """Prefill's side: mappings of decode workers' segments, opened by name and kept for reuse (LRU)."""
+    """Prefill's side: mappings of decode workers' segments, opened by name and kept for reuse (LRU).
+
+    A mapping keeps its segment's pages alive after decode removed the name (a segment retired after a cancel
+    or a retry), so mappings of removed names are dropped whenever a segment is opened and when a request ends.
+    """
 
     def __init__(self, keep_bytes: int = 4 << 30) -> None:
         self.keep_bytes = keep_bytes
         self._maps: OrderedDict[str, tuple[mmap.mmap, np.ndarray]] = OrderedDict()
+        self._lock = threading.Lock()  # the metrics scrape reads `mapped_bytes` from another thread
 
     def open(self, name: str, reservation_token: str, nbytes: int) -> LentSegment | None:
         """The segment, if `name` is a segment on this host lent to this reservation with room for `nbytes`."""
         if not _SEGMENT_NAME.match(name):
             return None
+        self.prune()
         mapped = self._maps.get(name)
         if mapped is None:
             try:
@@ -182,20 +188,34 @@ class SegmentMaps:
             finally:
                 os.close(fd)
             mapped = (mapping, np.frombuffer(mapping, dtype=np.uint8))
-            self._maps[name] = mapped
-            self._evict()
-        self._maps.move_to_end(name)
+            with self._lock:
+                self._maps[name] = mapped
+                self._evict()
+        with self._lock:
+            self._maps.move_to_end(name)
         segment = LentSegment(mapped[1], stamp_of(reservation_token), nbytes)
         if segment.whole.size < STAMP_BYTES + nbytes or not segment.still_lent():
             return None
         return segment
+
+    def prune(self) -> None:
+        """Drop the mappings of segments whose names decode removed (unmapped once the last view is gone)."""
+        with self._lock:
+            for name in [name for name in self._maps if not (SHM_DIR / name).exists()]:
+                del self._maps[name]
+
+    @property
+    def mapped_bytes(self) -> int:
+        with self._lock:
+            return sum(mapping.size() for mapping, _ in self._maps.values())
 
     def _evict(self) -> None:
         while len(self._maps) > 1 and sum(m[0].size() for m in self._maps.values()) > self.keep_bytes:
             self._maps.popitem(last=False)  # unmapped once the last view of it is gone
 
     def close(self) -> None:
-        self._maps.clear()
+        with self._lock:
+            self._maps.clear()
 
 
 def stamp(buffer: Buffer, reservation_token: str | None) -> None:
@@ -209,13 +229,20 @@ def data_region(buffer: Buffer, nbytes: int) -> np.ndarray:
 
 
 def remove_orphans() -> int:
-    """Unlink every pdserve segment in /dev/shm whose owner process is gone; returns how many."""
+    """Unlink every pdserve segment in /dev/shm that this user owns and whose owner process is gone; returns how
+    many. Another user's segments are left alone: they are not ours to judge (their pids may live in another
+    pid namespace) and /dev/shm's sticky bit forbids removing them anyway."""
     removed = 0
     if not SHM_DIR.is_dir():
         return 0
+    uid = os.getuid()
     for path in SHM_DIR.glob(f"{SEGMENT_PREFIX}*"):
         match = _SEGMENT_NAME.match(path.name)
-        if match and not _alive(int(match.group(1))):
+        try:
+            mine = path.stat().st_uid == uid
+        except OSError:  # gone meanwhile
+            continue
+        if match and mine and not _alive(int(match.group(1))):
             removed += _unlink(path.name)
     if removed:
         log.info("removed %d shared-memory KV segments left by dead processes", removed)
@@ -237,4 +264,7 @@ def _unlink(name: str) -> int:
         os.unlink(SHM_DIR / name)
         return 1
     except FileNotFoundError:
+        return 0
+    except PermissionError:  # not ours after all (owner changed under us): leave it
+        log.warning("cannot remove shared-memory segment %s: permission denied", name)
         return 0

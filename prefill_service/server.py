@@ -171,6 +171,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     "pdserve_num_requests_waiting": ("prompts queued", lambda: self.engine.waiting),
                     "pdserve_num_requests_running": ("prompts in the forward pass under way",
                                                      lambda: self.engine.live_jobs - self.engine.waiting),
+                    "pdserve_mapped_segment_bytes": ("decode workers' shared-memory segments mapped here, for reuse",
+                                                     lambda: self._segments.mapped_bytes),
                     "pdserve_prefix_cache_bytes": ("KV bytes held by the prefix cache",
                                                    lambda: self.prefix_cache.bytes if self.prefix_cache else 0),
                     "pdserve_prefix_cache_blocks": ("prefix blocks cached",
@@ -271,6 +273,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             abandon.set()
             self.engine.wake()
             push.cancel()
+            self._segments.prune()  # a segment decode retired (a cancel, a retry) is let go now, not at eviction
             send_span.set_attributes({"pdserve.kv_bytes": sender.bytes_sent, "pdserve.chunks": sender.chunks_sent,
                                       "pdserve.transport": sender.transport, "pdserve.state": sender.state.name})
             send_span.end()

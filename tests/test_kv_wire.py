@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import pwd
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -506,3 +508,45 @@ def test_codec_reads_protobuf_chunks_and_protobuf_reads_codec_chunks() -> None:
 ])
 def test_codec_turns_garbage_into_malformed_never_an_exception(raw: bytes) -> None:
     assert isinstance(codec.decode(raw), codec.Malformed)
+
+
+def test_prefill_lets_go_of_segments_decode_retired() -> None:
+    # 1. Prefill maps two lent segments; decode then retires one (a cancelled request) and keeps the other.
+    pool = BufferPool(keep_bytes=64 << 20)
+    retired, kept = pool.acquire(1 << 20), pool.acquire(1 << 20)
+    buffers.stamp(retired, "t1")
+    buffers.stamp(kept, "t2")
+    maps = SegmentMaps()
+    try:
+        assert maps.open(retired.name, "t1", 1024) is not None and maps.open(kept.name, "t2", 1024) is not None
+        assert maps.mapped_bytes == retired.size + kept.size
+        pool.discard(retired)
+        # 2. At the request's end prefill prunes: the retired segment's pages are no longer held here.
+        maps.prune()
+        assert maps.mapped_bytes == kept.size
+        assert maps.open(kept.name, "t2", 1024) is not None  # the live one is still reused
+    finally:
+        maps.close()
+        pool.release(kept)
+        pool.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a segment owned by another user")
+def test_another_users_segment_in_dev_shm_is_left_alone_by_the_startup_sweep() -> None:
+    # 1. /dev/shm holds two segments of a dead pid: one another user's (nobody's), one this user's.
+    nobody = pwd.getpwnam("nobody")
+    dead_pid = 2**22 + 4321  # above pid_max on Linux defaults: never a live process
+    theirs = buffers.SHM_DIR / f"{buffers.SEGMENT_PREFIX}{dead_pid}-{'cd' * 8}"
+    ours = buffers.SHM_DIR / f"{buffers.SEGMENT_PREFIX}{dead_pid}-{'ef' * 8}"
+    theirs.write_bytes(b"another user's")
+    os.chown(theirs, nobody.pw_uid, nobody.pw_gid)
+    ours.write_bytes(b"ours")
+    try:
+        # 2. The sweep a decode worker runs at startup removes its own user's orphan only. (Another user's
+        # segment used to be unlinked, or, for a user other than the owner of /dev/shm, to fail the worker's
+        # start with a PermissionError from the sticky directory.)
+        assert buffers.remove_orphans() >= 1
+        assert theirs.exists() and not ours.exists()
+    finally:
+        theirs.unlink(missing_ok=True)
+        ours.unlink(missing_ok=True)
