@@ -1,8 +1,9 @@
 """Optional API keys at the gateway, for gRPC (`authorization: Bearer KEY` metadata) and HTTP (the same header).
 
 Keys come from `PDSERVE_API_KEYS` (comma-separated) or `--api-key-file` (one per line), never from a flag's value,
-which any user of the host could read in the process list. No keys: every caller is let in. Keys are compared
-in constant time and never logged.
+which any user of the host could read in the process list. No keys: every caller is let in. But a key file, or a
+set PDSERVE_API_KEYS, that holds no key is refused at start-up: an empty secret (a mount gone wrong, a typo)
+would otherwise turn authentication off without a word. Keys are compared in constant time and never logged.
 """
 
 from __future__ import annotations
@@ -23,10 +24,21 @@ class ApiKeys:
 
     @classmethod
     def load(cls, key_file: str = "") -> ApiKeys:
-        keys = os.environ.get(API_KEYS_ENV, "").split(",")
+        """Keys from PDSERVE_API_KEYS and `key_file`. Raises ValueError (naming the source) when either is given
+        but holds no key; an empty PDSERVE_API_KEYS counts as unset, as shells use it."""
+        from_env = [key.strip() for key in os.environ.get(API_KEYS_ENV, "").split(",")]
+        if os.environ.get(API_KEYS_ENV, "").strip() and not any(from_env):
+            raise ValueError(f"{API_KEYS_ENV} is set but holds no key (comma-separated keys expected)")
+        from_file = []
         if key_file:
-            keys += Path(key_file).read_text().splitlines()
-        return cls(key.strip() for key in keys)
+            try:
+                from_file = [line.strip() for line in Path(key_file).read_text().splitlines()]
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(f"--api-key-file {key_file}: cannot read it ({exc})") from None
+            if not any(from_file):
+                raise ValueError(f"--api-key-file {key_file} holds no key (one per line expected); refusing to "
+                                 "start with authentication off")
+        return cls(from_env + from_file)
 
     def allows(self, metadata: Iterable[tuple[str, str | bytes]] | Mapping[str, str] | None) -> bool:
         """Whether the caller's `authorization` header (gRPC metadata pairs or HTTP headers) holds a key."""

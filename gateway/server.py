@@ -81,6 +81,7 @@ class GatewayConfig:
             raise ValueError(f"--http-port {self.http_port}: expected -1 (off) or 0..65535")
         if self.api_key_file and not os.path.isfile(self.api_key_file):
             raise ValueError(f"--api-key-file {self.api_key_file}: no such file")
+        ApiKeys.load(self.api_key_file)  # a key file or PDSERVE_API_KEYS holding no key must not turn auth off
         for address in self.prefill + self.decode:
             host, _, port = address.rpartition(":")
             if not host or not port.isdigit():

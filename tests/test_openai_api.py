@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +16,7 @@ import grpc
 import openai
 import pytest
 
+from gateway.auth import API_KEYS_ENV, ApiKeys
 from gateway.request import MAX_STOP_CHARS
 from pdserve.client import generate, stream
 from pdserve.cluster import Cluster
@@ -228,3 +232,32 @@ def _wait_idle(cluster: Cluster, timeout_s: float = 5.0) -> None:
     while set(_live(cluster).values()) != {0}:
         assert time.monotonic() < deadline, _live(cluster)
         time.sleep(0.02)
+
+
+@pytest.mark.parametrize("content", ["", "\n\n", "   \n\t\n"])
+def test_a_key_file_holding_no_key_stops_the_gateway_at_start_up(tmp_path: Path, content: str) -> None:
+    """An empty --api-key-file used to turn authentication off without a word: now the gateway refuses to start,
+    naming the flag, before it loads anything."""
+    empty = tmp_path / "keys"
+    empty.write_text(content)
+    with pytest.raises(ValueError, match="--api-key-file .* holds no key"):
+        ApiKeys.load(str(empty))
+    env = {k: v for k, v in os.environ.items() if k != API_KEYS_ENV}
+    started = subprocess.run([sys.executable, "-m", "gateway", "--decode", "127.0.0.1:1", "--api-key-file",
+                              str(empty)], capture_output=True, text=True, timeout=120, env=env)
+    assert started.returncode == 2, started.stderr
+    assert f"--api-key-file {empty} holds no key" in started.stderr
+
+
+def test_key_sources_that_hold_keys_or_are_unset_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("\n sk-one \n\nsk-two\n")
+    monkeypatch.delenv(API_KEYS_ENV, raising=False)
+    loaded = ApiKeys.load(str(keys))
+    assert loaded.allows({"authorization": "Bearer sk-two"}) and not loaded.allows({"authorization": "Bearer x"})
+    assert ApiKeys.load().allows({})  # no key configured anywhere: open, as documented
+    monkeypatch.setenv(API_KEYS_ENV, "")  # empty counts as unset
+    assert ApiKeys.load().allows({})
+    monkeypatch.setenv(API_KEYS_ENV, " , ")
+    with pytest.raises(ValueError, match=f"{API_KEYS_ENV} is set but holds no key"):
+        ApiKeys.load()
