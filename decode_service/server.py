@@ -570,4 +570,5 @@ async def serve(config: DecodeConfig) -> None:
         if servicer.segments is not None:
             servicer.segments.close()
 
-    await serving.serve("decode", config.server, registering(control), shutdown, servicer.metrics, announce, also)
+    await serving.serve("decode", config.server, registering(control), shutdown, servicer.metrics, announce, also,
+                        stalled=servicer.engine.stalled)

@@ -45,6 +45,7 @@ class EngineCore:
         self._joining: collections.deque[tuple[Sequence, KVPieces, Callable[[], None]]] = collections.deque()
         self._abort_pending = False
         self._stopping = False
+        self._busy_since: float | None = None  # perf_counter when the iteration under way began; None: waiting
         self._thread = threading.Thread(target=self._loop, name=f"engine-{self.role}", daemon=True)
 
     @property
@@ -98,6 +99,14 @@ class EngineCore:
         with self._wake:
             self._wake.notify()
 
+    def stalled(self) -> float:
+        """Seconds the engine has been inside one iteration (a pass and a step): 0 when it waits for work; infinite
+        when its thread died. The services' watchdog turns health NOT_SERVING past a limit."""
+        if self._thread.ident is not None and not self._thread.is_alive() and not self._stopping:
+            return float("inf")
+        since = self._busy_since
+        return 0.0 if since is None else time.perf_counter() - since
+
     # Gauges.
     @property
     def live_jobs(self) -> int:
@@ -128,11 +137,14 @@ class EngineCore:
     # The engine thread.
     def _loop(self) -> None:
         while self._wait_for_work():
+            self._busy_since = time.perf_counter()
             try:
                 self._decode_step()
                 self.prompts.run_next_pass()
             except Exception:  # each stage fails its own requests; this guard keeps the thread serving the rest
                 log.exception("engine iteration failed")
+            finally:
+                self._busy_since = None
         with self._wake:
             self.prompts.drain("the engine shut down")
 

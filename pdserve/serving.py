@@ -26,6 +26,14 @@ MAX_MESSAGE_BYTES = 8 << 20  # KV chunks are 768 KiB by default, 4 MiB at most; 
 # The message limits every pdserve server and channel runs with.
 MESSAGE_LIMITS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+# Keepalive on the server side: ping an idle connection every 20 s and drop it when no answer comes in 10 s (a
+# frozen or vanished peer), and accept the clients' own keepalive pings down to every 5 s: gRPC's default
+# answers a client that pings more often than every 5 minutes with GOAWAY ("too_many_pings").
+SERVER_KEEPALIVE = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000),
+                    ("grpc.keepalive_permit_without_calls", 1),
+                    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+                    ("grpc.http2.max_ping_strikes", 0)]
+WATCHDOG_PERIOD_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,7 @@ class ServerConfig:
     metrics_port: int = 0  # Prometheus /metrics over HTTP; 0 = a free port, reported with the address; -1 = off
     tls: TLS | None = None  # mutual TLS for this server and the calls it makes
     max_concurrent_rpcs: int = 1024  # calls beyond this are refused with RESOURCE_EXHAUSTED
+    stall_s: float = 30.0  # an engine pass running longer than this turns health NOT_SERVING (workers only)
     otlp_endpoint: str = ""  # spans to this OTLP gRPC endpoint ("" = the OTEL_* environment's, if any)
     trace_dir: str = ""  # spans appended here as OTLP JSON lines ("" = $PDSERVE_TRACE_DIR, if set)
 
@@ -48,6 +57,8 @@ class ServerConfig:
             raise ValueError(f"--grace {self.grace_s}: must be >= 0")
         if self.max_concurrent_rpcs < 1:
             raise ValueError(f"--max-concurrent-rpcs {self.max_concurrent_rpcs}: must be >= 1")
+        if not self.stall_s > 0:
+            raise ValueError(f"--stall-s {self.stall_s}: must be > 0")
 
 
 def add_server_args(parser: argparse.ArgumentParser, default_port: int = 0) -> None:
@@ -60,13 +71,16 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int = 0) -> N
                        help="HTTP port of Prometheus /metrics; 0 picks a free one, -1 turns it off (default: 0)")
     group.add_argument("--max-concurrent-rpcs", type=int, default=1024,
                        help="calls served at once; more are refused with RESOURCE_EXHAUSTED (default: %(default)s)")
+    group.add_argument("--stall-s", type=float, default=30.0,
+                       help="a worker whose engine has run one pass or step for longer than this reports "
+                       "NOT_SERVING until it moves again (default: %(default)s)")
     tls.add_args(group)
     tracing.add_args(group)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(host=args.host, port=args.port, grace_s=args.grace_s, metrics_port=args.metrics_port,
-                        tls=tls.from_args(args), max_concurrent_rpcs=args.max_concurrent_rpcs,
+                        tls=tls.from_args(args), max_concurrent_rpcs=args.max_concurrent_rpcs, stall_s=args.stall_s,
                         otlp_endpoint=args.otlp_endpoint, trace_dir=args.trace_dir)
 
 
@@ -78,6 +92,7 @@ async def serve(
     metrics: Metrics | None = None,
     announce: dict[str, str] | None = None,
     also: tuple[grpc.aio.Server, HealthServicer] | None = None,
+    stalled: Callable[[], float] | None = None,
 ) -> None:
     """Run a gRPC server (and its /metrics) until SIGINT/SIGTERM.
 
@@ -86,6 +101,8 @@ async def serve(
     learn the free ports.
     Shutdown is ordered: health turns NOT_SERVING, new calls are refused, in-flight calls get `grace_s`, then
     `on_shutdown` releases what the service holds. `also`: a second server (from `listen`) stopped with this one.
+    `stalled()`: how long the engine has been stuck in one pass (0 when idle or moving); past `config.stall_s`
+    health turns NOT_SERVING, so the gateway routes around a wedged worker that still answers RPCs.
     """
     tracing.setup(role, config.otlp_endpoint, config.trace_dir)
     server, port, health = await listen(role, config, config.port, register)
@@ -102,7 +119,10 @@ async def serve(
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     serving = asyncio.ensure_future(server.wait_for_termination())
+    watchdog = None if stalled is None else asyncio.ensure_future(watchdog_loop(role, health, stalled, config.stall_s))
     await asyncio.wait([serving, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if watchdog is not None:
+        watchdog.cancel()
     await health.enter_graceful_shutdown()
     if also is not None:
         await also[1].enter_graceful_shutdown()
@@ -117,11 +137,29 @@ async def serve(
     logging.getLogger(role).info("stopped")
 
 
+async def watchdog_loop(role: str, health: HealthServicer, stalled: Callable[[], float], stall_s: float) -> None:
+    """Every WATCHDOG_PERIOD_S: health NOT_SERVING while `stalled()` exceeds `stall_s`, SERVING again after."""
+    log = logging.getLogger(role)
+    serving = True
+    while True:
+        await asyncio.sleep(WATCHDOG_PERIOD_S)
+        stuck = stalled()
+        if (stuck <= stall_s) == serving:
+            continue
+        serving = not serving
+        if serving:
+            log.warning("the engine moves again: SERVING")
+        else:
+            log.error("the engine has been stuck in one pass for %.1f s (--stall-s %.1f): NOT_SERVING", stuck, stall_s)
+        await health.set("", health_pb2.HealthCheckResponse.SERVING if serving
+                         else health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
 async def listen(
     role: str, config: ServerConfig, port: int, register: Callable[[grpc.aio.Server], list[str]]
 ) -> tuple[grpc.aio.Server, int, HealthServicer]:
     """A started gRPC server on `port` with `register`'s services, health, reflection and the limits."""
-    server = grpc.aio.server(options=[*MESSAGE_LIMITS, ("grpc.so_reuseport", 0)],
+    server = grpc.aio.server(options=[*MESSAGE_LIMITS, *SERVER_KEEPALIVE, ("grpc.so_reuseport", 0)],
                              maximum_concurrent_rpcs=config.max_concurrent_rpcs)
     services = register(server)
     health = HealthServicer()

@@ -370,4 +370,5 @@ async def serve(config: PrefillConfig) -> None:
         prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
         return [prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name]
 
-    await serving.serve("prefill", config.server, register, servicer.close, servicer.metrics)
+    await serving.serve("prefill", config.server, register, servicer.close, servicer.metrics,
+                        stalled=servicer.engine.stalled)
