@@ -50,6 +50,9 @@ class DecodeBatch:
     def join(self, seq: Sequence, kv: KVPieces) -> None:
         """Give the sequence the blocks of its prompt + max_tokens, copy its prompt's KV in, and run it. A sequence
         that cannot join is failed alone."""
+        # A sequence aborted since the last step gives its blocks back first: a colocated prompt that finishes
+        # its pass right after the step in which another request was cancelled may need exactly those blocks.
+        self.leave([running for running in self.running if running.aborted])
         try:
             seq.blocks = self.cache.allocate(seq.prompt_len + seq.max_tokens)
             self.cache.load(seq.blocks, kv, seq.prompt_len)

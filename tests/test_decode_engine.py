@@ -128,3 +128,30 @@ def test_colocated_prompts_batched_or_chunked_decode_as_they_do_alone(runner: Lo
     assert [stream.tokens for stream in streams] == expected
     assert [5, 10] in passes and passes.count([16]) == 2 and [8] in passes  # 40 tokens in chunks of 16
     assert engine.live_sequences == 0
+
+
+def test_a_colocated_prompt_takes_the_blocks_of_a_sequence_aborted_in_the_same_step(runner: LoadedModel) -> None:
+    sampling = SamplingParams(temperature=0.0)
+    expected = _alone(runner, PROMPTS[0], sampling)
+    # 1. The cache holds exactly one sequence of PROMPTS[1] (40 + 12 tokens: 4 blocks), which runs.
+    engine = EngineCore(runner, kv_blocks=4)
+    newcomer: list[_Stream] = []
+    replaced = threading.Event()
+
+    def cancel_and_replace() -> None:  # on the engine thread, inside a step
+        engine.abort(holder.seq)
+        newcomer.append(_Stream(engine, runner, PROMPTS[0], sampling, "newcomer", colocated=True))
+        replaced.set()
+
+    engine.start()
+    try:
+        # 2. Inside one step the holder is cancelled and a colocated prompt arrives: its pass runs right after
+        # the step, before the holder has left the batch, and it needs blocks only the holder can give.
+        holder = _Stream(engine, runner, PROMPTS[1], sampling, "holder", at={3: cancel_and_replace})
+        assert replaced.wait(30)
+        newcomer[0].wait_for()
+    finally:
+        engine.close()
+    # 3. The newcomer ran to its end with the tokens it gets alone, and nothing is held.
+    assert newcomer[0].tokens == expected and newcomer[0].finish == "length"
+    assert engine.live_sequences == 0
