@@ -31,6 +31,15 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         return full[len(prefix) :]
 
+    def flush(self) -> str:
+        """The text still held back, once no token follows: a character the last token left unfinished comes out
+        as U+FFFD, as a whole decode would show it."""
+        decode = self._tokenizer.decode
+        prefix = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
+        full = decode(self._ids[self._prefix_offset :], skip_special_tokens=True)
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return full[len(prefix) :] if len(full) > len(prefix) else ""
+
 
 class StopMatcher:
     """Finds stop strings across deltas; holds back any tail that could still become one.
@@ -91,3 +100,47 @@ class StopMatcher:
     def flush(self) -> str:
         held, self._held, self._state = self._held, "", 0
         return held
+
+
+class TextStream:
+    """One request's generated tokens in, the client's pieces out: text cut before the first stop string, each
+    piece with the token ids of its text.
+
+    A token id goes out with the last of its text, so a piece's text is the text of its ids (gateway.proto), and
+    a token that is still held back (half a character, or a tail that may begin a stop string) is held with it.
+    When a stop string ends generation, the text ends where it begins, and only the tokens whose text ends there
+    or before go out: none of the stop string's tokens, though one that straddles its start lends its head to the
+    text. The last piece flushes everything else (`last`), so no text is lost at the end.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], stops: list[str]) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self._stops = StopMatcher(stops)
+        self._undecoded: list[int] = []  # tokens whose text the detokenizer still holds
+        # tokens whose text is decoded, with where it ends: characters from the start of the output
+        self._decoded: collections.deque[tuple[int, int]] = collections.deque()
+        self._decoded_chars = 0
+        self._safe = ""  # text past the stop matcher, held until its tokens can go with it
+        self._sent_chars = 0
+
+    def add(self, token_ids: list[int], last: bool) -> tuple[str, list[int], bool]:
+        """Returns (text, its token ids, whether a stop string was hit). After a hit nothing more follows."""
+        self._undecoded += token_ids
+        delta = self._detokenizer.add(token_ids) + (self._detokenizer.flush() if last else "")
+        if delta or last:  # the tokens held so far end together: a delta is the text of all of them
+            self._decoded_chars += len(delta)
+            self._decoded.extend((token, self._decoded_chars) for token in self._undecoded)
+            self._undecoded = []
+        safe, stopped = self._stops.feed(delta)
+        if last and not stopped:
+            safe += self._stops.flush()
+        self._safe += safe
+        safe_end = self._sent_chars + len(self._safe)
+        ids, end = [], self._sent_chars
+        while self._decoded and self._decoded[0][1] <= safe_end:
+            token, end = self._decoded.popleft()
+            ids.append(token)
+        text = self._safe if stopped or last else self._safe[: end - self._sent_chars]
+        self._safe = self._safe[len(text) :]
+        self._sent_chars += len(text)
+        return text, ids, stopped

@@ -35,7 +35,7 @@ from opentelemetry.trace import SpanKind
 from gateway import journey
 from gateway.admission import Admission, AdmissionConfig, Overloaded
 from gateway.auth import ApiKeys
-from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
+from gateway.detokenizer import TextStream
 from gateway.journey import GatewayError, RetryPolicy, Timings
 from gateway.openai_api import OpenAIServer
 from gateway.request import GenerateParams, InvalidRequest, RequestFailed, parse_request
@@ -319,8 +319,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def _generate(
         self, params: GenerateParams, arrived: float, deadline: float | None, timings: Timings
     ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
-        detokenizer = IncrementalDetokenizer(self.tokenizer, params.prompt_ids)
-        stops = StopMatcher(params.stop)
+        text_stream = TextStream(self.tokenizer, params.prompt_ids, params.stop)
         generated = 0
         first_at = 0.0
         finish = ""
@@ -331,10 +330,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         async with contextlib.aclosing(journey_) as pieces:
             async for tokens in pieces:
                 generated += len(tokens.token_ids)
-                text, stopped = stops.feed(detokenizer.add(tokens.token_ids))
+                text, token_ids, stopped = text_stream.add(tokens.token_ids, last=bool(tokens.finish_reason))
                 finish = "stop" if stopped else tokens.finish_reason
-                response = gateway_pb2.GenerateResponse(request_id=params.request_id, token_ids=tokens.token_ids,
-                                                        text=text + (stops.flush() if finish else ""))
+                if not (text or token_ids or finish):
+                    continue  # all held back: half a character, or what may begin a stop string
+                response = gateway_pb2.GenerateResponse(request_id=params.request_id, token_ids=token_ids, text=text)
                 first_at = first_at or time.perf_counter()
                 if finish:
                     response.finish_reason = finish

@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import openai
 import pytest
+from transformers import AutoTokenizer
 
 from gateway.auth import API_KEYS_ENV, ApiKeys
 from gateway.request import MAX_STOP_CHARS
@@ -261,3 +262,28 @@ def test_key_sources_that_hold_keys_or_are_unset_load(tmp_path: Path, monkeypatc
     monkeypatch.setenv(API_KEYS_ENV, " , ")
     with pytest.raises(ValueError, match=f"{API_KEYS_ENV} is set but holds no key"):
         ApiKeys.load()
+
+
+def test_a_stop_string_s_tokens_are_not_returned_and_the_text_is_their_text(client: openai.OpenAI, keyed: Cluster,
+                                                                           tiny_model_dir: Path) -> None:
+    """gateway.proto: generation ends before the stop string, "which is not returned"; its tokens used to be."""
+    request = {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    full = generate(keyed.gateway.address, 60, KEY, **request)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert full.text == tokenizer.decode(full.token_ids, skip_special_tokens=True)
+    # a stop string made of two whole tokens from the middle, whose first occurrence is there
+    for k in range(len(full.token_ids) // 2, len(full.token_ids) - 2):
+        head = tokenizer.decode(full.token_ids[:k], skip_special_tokens=True)
+        stop = tokenizer.decode(full.token_ids[k : k + 2], skip_special_tokens=True)
+        if stop.strip() and "\ufffd" not in head + stop and full.text.find(stop) == len(head):
+            break
+    else:
+        pytest.fail(f"no two-token stop string in {full.text!r}")
+    stopped = generate(keyed.gateway.address, 60, KEY, stop=[stop], **request)
+    assert (stopped.text, stopped.finish_reason) == (head, "stop")
+    assert stopped.token_ids == full.token_ids[:k]
+    assert stopped.usage is not None and stopped.usage.completion_tokens == k + 2  # generated, stop's tokens too
+    over_http = client.completions.create(model=MODEL, prompt=request["prompt"], max_tokens=16, temperature=0,
+                                          stop=[stop], extra_body={"ignore_eos": True})
+    assert over_http.choices[0].text == head and over_http.choices[0].finish_reason == "stop"
+    assert_nothing_held(keyed)

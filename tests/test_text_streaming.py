@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 import gateway.detokenizer
-from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
+from gateway.detokenizer import IncrementalDetokenizer, StopMatcher, TextStream
 from gateway.request import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 
@@ -156,3 +156,64 @@ def test_a_feed_costs_the_same_whatever_the_stop_strings_length() -> None:
     built, at_cap = work(longest)
     assert at_cap <= 1.2 * short and at_cap < 20 * 1000  # the old matcher: ~1500 lines a feed at the cap
     assert built < 20 * sum(map(len, longest))  # building is linear in the stops' characters
+
+
+def test_the_last_piece_carries_the_text_still_held(tokenizer) -> None:
+    """A batch whose text ends in half a character was held whole, and at the finish it was never flushed: the
+    client lost "Done." here. Now the last piece carries it, the cut character as U+FFFD, as a whole decode."""
+    ids = tokenizer("Done. 🚀", add_special_tokens=False).input_ids[:-1]  # the rocket cut before its last byte
+    assert tokenizer.decode(ids).endswith("\ufffd")
+    stream = TextStream(tokenizer, tokenizer("Say:").input_ids, [])
+    assert stream.add(ids, last=True) == (tokenizer.decode(ids), ids, False)
+    held = IncrementalDetokenizer(tokenizer, [])
+    assert held.add(ids) == "" and held.flush() == tokenizer.decode(ids)
+
+
+def test_a_stop_string_s_tokens_are_not_returned(tokenizer) -> None:
+    words = ["Hello", " world", ",", " the", " END", " of", " it"]
+    ids = [tokenizer(w, add_special_tokens=False).input_ids[0] for w in words]
+    stream = TextStream(tokenizer, [], [" END"])
+    pieces = [stream.add([t], last=i == len(ids) - 1) for i, t in enumerate(ids[:5])]
+    assert pieces[-1][2], "the stop string was hit"
+    assert "".join(text for text, _, _ in pieces) == "Hello world, the"
+    assert [t for _, got, _ in pieces for t in got] == ids[:4]  # " END"'s token stays out
+    # a token that straddles the stop's start lends its head to the text, not its id
+    straddle = TextStream(tokenizer, [], ["ld,"])
+    pieces = [straddle.add([t], last=False) for t in ids[:3]]
+    assert "".join(text for text, _, _ in pieces) == "Hello wor" and pieces[-1][2]
+    assert [t for _, got, _ in pieces for t in got] == ids[:1]
+
+
+# Tokens that make stops, split characters (the rocket's three bytes) and a special token (2: skipped text).
+_PIECES = ["a", "b", " END", "é", "🚀", "\n", " the"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(picks=st.lists(st.integers(0, len(_PIECES)), min_size=1, max_size=24),
+       cuts=st.lists(st.integers(0, 60), max_size=8),
+       stops=st.lists(st.sampled_from(["END", "b E", "🚀", "\n\n", "aé", "x"]), max_size=3))
+def test_pieces_join_to_the_cut_text_and_carry_exactly_their_tokens(tokenizer, picks: list[int], cuts: list[int],
+                                                                     stops: list[str]) -> None:
+    """However the tokens are batched: the text is the whole decode cut before the first stop to end; each piece's
+    token ids are the tokens of the text so far; the tokens that go out never hold stop text; without a stop,
+    every token goes out."""
+    ids = []
+    for pick in picks:
+        ids += [2] if pick == len(_PIECES) else tokenizer(_PIECES[pick], add_special_tokens=False).input_ids
+    whole = tokenizer.decode(ids, skip_special_tokens=True)
+    expected, hits = _first_to_end(whole, stops) if stops else (whole, False)
+    stream = TextStream(tokenizer, [], stops)
+    bounds = sorted({0, len(ids), *[min(c, len(ids)) for c in cuts]})
+    text, sent, stopped = "", [], False
+    for start, end in zip(bounds, bounds[1:]):
+        piece, piece_ids, stopped = stream.add(ids[start:end], last=end == len(ids))
+        text += piece
+        sent += piece_ids
+        if stopped:
+            break
+        assert tokenizer.decode(sent, skip_special_tokens=True) == text  # a piece's text is its tokens' text
+    assert (text, stopped) == (expected, hits)
+    assert sent == ids[: len(sent)]
+    assert text.startswith(tokenizer.decode(sent, skip_special_tokens=True))
+    if not hits:
+        assert sent == ids
