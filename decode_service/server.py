@@ -56,6 +56,8 @@ from protos.convert import model_info, sampling_from_pb
 
 log = logging.getLogger(__name__)
 
+KV_HEADER_TIMEOUT_S = 10.0
+
 DEFAULT_KV_BUDGET_MB = 2048  # the paged KV cache: 64 sequences of ~700 tokens of the default model in fp32
 
 
@@ -348,8 +350,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     ) -> kv_transfer_pb2.KVTransferAck:
         reservation: Reservation | None = None
         try:
-            # A stream must present its header within the lease and finish by the reservation's expiry.
-            async with asyncio.timeout(self.config.lease_s) as deadline:
+            # A stream must present its header at once (prefill opens it with the first layer's KV in hand), and
+            # finish by the reservation's expiry: a stream that sends nothing does not hold a call for a lease.
+            async with asyncio.timeout(min(KV_HEADER_TIMEOUT_S, self.config.lease_s)) as deadline:
                 first = await anext(aiter(request_iterator), None)
                 if isinstance(first, codec.Malformed):
                     raise receiver.fail(grpc.StatusCode.INVALID_ARGUMENT, first.reason)
@@ -364,8 +367,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         except KVTransferError as exc:
             await self._refuse(context, reservation, receiver, exc.code, str(exc))
         except TimeoutError:
-            await self._refuse(context, reservation, receiver, grpc.StatusCode.DEADLINE_EXCEEDED,
-                               "KV stream stalled: not complete before the reservation's lease ended")
+            message = ("KV stream stalled: not complete before the reservation's lease ended" if reservation else
+                       f"KV stream stalled: no header within {min(KV_HEADER_TIMEOUT_S, self.config.lease_s):g} s")
+            await self._refuse(context, reservation, receiver, grpc.StatusCode.DEADLINE_EXCEEDED, message)
         except asyncio.CancelledError:  # prefill went away, or the reservation was released, mid-stream
             receiver.fail(grpc.StatusCode.CANCELLED, "cancelled")  # drops the partial KV
             if reservation is not None and reservation.phase is Phase.CLOSED and not context.cancelled():

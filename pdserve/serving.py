@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import json
 import logging
 import os
@@ -34,6 +35,14 @@ SERVER_KEEPALIVE = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout
                     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
                     ("grpc.http2.max_ping_strikes", 0)]
 WATCHDOG_PERIOD_S = 1.0
+WORKER_ROLES = ("prefill", "decode")
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 @dataclass(frozen=True)
@@ -158,9 +167,23 @@ async def watchdog_loop(role: str, health: HealthServicer, stalled: Callable[[],
 async def listen(
     role: str, config: ServerConfig, port: int, register: Callable[[grpc.aio.Server], list[str]]
 ) -> tuple[grpc.aio.Server, int, HealthServicer]:
-    """A started gRPC server on `port` with `register`'s services, health, reflection and the limits."""
+    """A started gRPC server on `port` with `register`'s services, health, reflection and the limits. A worker
+    (any role but the gateway, whose callers are users with API keys) checks the worker token when one is set,
+    and without TLS or a token listens on loopback only."""
+    interceptors = []
+    try:
+        token = tls.worker_token()  # every role reads it: a gateway sends it to the workers
+    except ValueError as exc:
+        raise RuntimeError(str(exc)) from exc
+    if role in WORKER_ROLES:
+        if token:
+            interceptors.append(tls.RequireWorkerToken(token))
+        elif config.tls is None and not _loopback(config.host):
+            raise RuntimeError(f"refusing to serve {role} on {config.host} unauthenticated: anyone who reaches the "
+                               "port could use this worker. Set PDSERVE_WORKER_TOKEN (or PDSERVE_WORKER_TOKEN_FILE) "
+                               "on every pdserve process, or turn on mutual TLS (--tls-cert, --tls-key, --tls-ca)")
     server = grpc.aio.server(options=[*MESSAGE_LIMITS, *SERVER_KEEPALIVE, ("grpc.so_reuseport", 0)],
-                             maximum_concurrent_rpcs=config.max_concurrent_rpcs)
+                             maximum_concurrent_rpcs=config.max_concurrent_rpcs, interceptors=interceptors)
     services = register(server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
