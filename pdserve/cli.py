@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
 
     bench = commands.add_parser("bench", help="benchmarks; results as a table or JSON, plus JSON and plots on disk")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    from bench import chaos, decode, gemm, interference, kv, prefill, prefix, scenarios, serve
+    from bench import chaos, decode, gemm, interference, kv, prefill, prefix, scenarios, serve, soak
 
     for name, module, summary in (
         ("kv", kv, "KV transfer: gRPC and shared-memory paths against their ceilings"),
@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         ("chaos", chaos, "cancel storms, killed workers, broken links and overload"),
         ("prefix", prefix, "a shared system prompt and multi-turn chats, prefix cache off and on"),
         ("serve", serve, "chats and documents through OpenAI-compatible servers (pdserve, vLLM, llama.cpp)"),
+        ("soak", soak, "a long mixed load with cancels and hostile requests; RSS, fds and live gauges"),
     ):
         sub = benches.add_parser(name, help=summary, description=(module.__doc__ or "").split("\n\n")[0])
         module.add_args(sub)
