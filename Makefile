@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 PORT ?= 50051
 HTTP_PORT ?= 8000
 
-.PHONY: install protos run test test-fast bench lint clean
+.PHONY: install protos run test test-fast fuzz bench lint clean
 
 install: $(INSTALLED) protos
 
@@ -38,6 +38,10 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# The fuzz tests at length: many random examples per front door (make test runs 60 each, derandomized).
+fuzz: install
+	PDSERVE_FUZZ_EXAMPLES=$${PDSERVE_FUZZ_EXAMPLES:-2000} PDSERVE_FUZZ_RANDOM=1 $(PY) -m pytest -q tests/test_fuzz.py $(PYTEST_ARGS)
 
 # Benchmarks print a table and write JSON + a plot under bench/results/.
 bench: install
