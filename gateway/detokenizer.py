@@ -110,12 +110,14 @@ class TextStream:
     a token that is still held back (half a character, or a tail that may begin a stop string) is held with it.
     When a stop string ends generation, the text ends where it begins, and only the tokens whose text ends there
     or before go out: none of the stop string's tokens, though one that straddles its start lends its head to the
-    text. The last piece flushes everything else (`last`), so no text is lost at the end.
+    text. The last piece flushes everything else (`last`), so no text is lost at the end. Tokens are taken one at
+    a time, so none of this depends on how the workers batched them.
     """
 
     def __init__(self, tokenizer: Any, prompt_ids: list[int], stops: list[str]) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
         self._stops = StopMatcher(stops)
+        self.consumed = 0  # tokens read; after a stop string, those up to the one that completes it
         self._undecoded: list[int] = []  # tokens whose text the detokenizer still holds
         # tokens whose text is decoded, with where it ends: characters from the start of the output
         self._decoded: collections.deque[tuple[int, int]] = collections.deque()
@@ -125,16 +127,17 @@ class TextStream:
 
     def add(self, token_ids: list[int], last: bool) -> tuple[str, list[int], bool]:
         """Returns (text, its token ids, whether a stop string was hit). After a hit nothing more follows."""
-        self._undecoded += token_ids
-        delta = self._detokenizer.add(token_ids) + (self._detokenizer.flush() if last else "")
-        if delta or last:  # the tokens held so far end together: a delta is the text of all of them
-            self._decoded_chars += len(delta)
-            self._decoded.extend((token, self._decoded_chars) for token in self._undecoded)
-            self._undecoded = []
-        safe, stopped = self._stops.feed(delta)
+        stopped = False
+        for token in token_ids:
+            self.consumed += 1
+            self._undecoded.append(token)
+            stopped = self._feed(self._detokenizer.add([token]))
+            if stopped:
+                break
         if last and not stopped:
-            safe += self._stops.flush()
-        self._safe += safe
+            stopped = self._feed(self._detokenizer.flush(), flush=True)
+            if not stopped:
+                self._safe += self._stops.flush()
         safe_end = self._sent_chars + len(self._safe)
         ids, end = [], self._sent_chars
         while self._decoded and self._decoded[0][1] <= safe_end:
@@ -144,3 +147,12 @@ class TextStream:
         self._safe = self._safe[len(text) :]
         self._sent_chars += len(text)
         return text, ids, stopped
+
+    def _feed(self, delta: str, flush: bool = False) -> bool:
+        if delta or flush:  # the tokens held so far end together: the delta is the text of all of them
+            self._decoded_chars += len(delta)
+            self._decoded.extend((token, self._decoded_chars) for token in self._undecoded)
+            self._undecoded = []
+        safe, stopped = self._stops.feed(delta)
+        self._safe += safe
+        return stopped

@@ -8,10 +8,16 @@ metrics. Failures are OpenAI error objects with the HTTP status a client expects
 (named in `param`), 401 for a bad API key, 404 for an unknown model, 429 with `Retry-After` when refused for
 load, 503 when no worker can serve. A client that disconnects cancels its request on every service, as leaving
 a gRPC stream does.
+
+Hostile bodies cost bounded work: a body over MAX_BODY_BYTES is refused (413) by its Content-Length before a byte
+is read, or as soon as a chunked one passes it; one that does not arrive within the body timeout is refused (408);
+JSON that repeats a key, nests past Python's recursion limit, or carries NaN is refused (400). Fields this API does
+not know are ignored with a warning, as vLLM does.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -23,12 +29,18 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from gateway.request import InvalidRequest, RequestFailed, check_stop
+from gateway.request import MAX_MESSAGES, MAX_STOP_STRINGS, InvalidRequest, RequestFailed, check_stop
 from protos import gateway_pb2
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 8 << 20
+# A request body's size: 1 MiB, aiohttp's own default. That is ~250,000 tokens of prompt, past any context served
+# here. The body is parsed on the event loop (json.loads holds the GIL, so a thread would not free the loop): the
+# worst 1 MiB (half a million empty arrays) takes ~45 ms, a real one (one long string) ~1 ms.
+MAX_BODY_BYTES = 1 << 20
+# Seconds the whole body may take to arrive once the headers have: a slowloris client trickling it holds a
+# connection, never more, and only this long. 1 MiB arrives in 30 s at 280 kbit/s.
+DEFAULT_BODY_TIMEOUT_S = 30.0
 
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
@@ -47,13 +59,65 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "presence_penalty": lambda v: v in (None, 0), "frequency_penalty": lambda v: v in (None, 0),
     "logit_bias": lambda v: not v, "tools": lambda v: not v, "tool_choice": lambda v: v in (None, "none"),
     "response_format": lambda v: v in (None, {"type": "text"}),
+    "functions": lambda v: not v, "function_call": lambda v: v in (None, "none"),
 }
+# The fields read; any other is ignored with a warning, as vLLM does (its requests allow extra fields and log
+# "fields were present in the request but ignored"), so clients that send newer OpenAI fields keep working.
+_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
+           "ignore_eos", "n", "user", *_UNSUPPORTED}
+_COMPLETION_FIELDS = _FIELDS | {"prompt"}
+_CHAT_FIELDS = _FIELDS | {"messages", "max_completion_tokens"}
 
 
 class BadParameter(Exception):
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, param: str, message: str, status: int = 400) -> None:
         super().__init__(message)
-        self.param, self.message = param, message
+        self.param, self.message, self.status = param, message, status
+
+
+class BadBody(Exception):
+    """A body refused before its fields are read: too large (413), too slow (408), or not JSON (400)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+class _RepeatedKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # A repeated key is refused, not resolved: parsers disagree on which copy wins (Python's json keeps the last),
+    # so a proxy in front could check one value and pdserve use the other.
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _RepeatedKey(key)
+            seen.add(key)
+    return obj
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # Python's json takes NaN and Infinity unless told not to
+
+
+def _short(name: str) -> str:
+    """A client's string, safe and short for a message or a log line."""
+    return repr(name[:40] + ("..." if len(name) > 40 else ""))
+
+
+def _unicode(value: str, param: str) -> str:
+    """`value`, if it can travel on as UTF-8: JSON's \\ud800 escapes decode to lone surrogates, which cannot."""
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise BadParameter(param, f"{param} is not valid Unicode: it holds a lone surrogate") from None
+    return value
 
 
 def _error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -80,9 +144,9 @@ def _failed(exc: RequestFailed) -> web.Response:
 
 
 class OpenAIServer:
-    def __init__(self, servicer: Any, model_name: str) -> None:
+    def __init__(self, servicer: Any, model_name: str, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
         """`servicer`: the GatewayServicer whose `stream`, `tokenizer`, `keys` and `model` it uses."""
-        self.servicer, self.model_name = servicer, model_name
+        self.servicer, self.model_name, self.body_timeout_s = servicer, model_name, body_timeout_s
         self.created = int(time.time())
         app = web.Application(middlewares=[self._errors_and_keys], client_max_size=MAX_BODY_BYTES)
         app.router.add_get("/v1/models", self.models)
@@ -130,15 +194,17 @@ class OpenAIServer:
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
-            body = await request.json(loads=json.loads)
-        except ValueError:
-            return error(400, "the request body is not valid JSON")
-        try:
+            body = await self._body(request)
             generate, stream, include_usage = self._parse(body, chat)
+            generate.request_id = _unicode(request.headers.get("X-Request-Id", ""), "X-Request-Id")
+        except BadBody as exc:
+            refusal = error(exc.status, exc.message, param=exc.param, code="invalid_body")
+            if exc.status in (408, 413):  # the rest of the body is not read: the connection cannot carry another
+                refusal.force_close()
+            return refusal
         except BadParameter as exc:
-            status, code = (404, "model_not_found") if exc.param == "model" else (400, "invalid_parameter")
-            return error(status, exc.message, param=exc.param, code=code)
-        generate.request_id = request.headers.get("X-Request-Id", "")
+            code = "model_not_found" if exc.status == 404 else "invalid_parameter"
+            return error(exc.status, exc.message, param=exc.param, code=code)
         headers = {key.lower(): value for key, value in request.headers.items()}  # traceparent, if sent
         responses = self.servicer.stream(generate, None, headers)
         async with contextlib.aclosing(responses):
@@ -150,6 +216,29 @@ class OpenAIServer:
             if not stream:
                 return await self._whole(reply, first, responses)
             return await self._stream(request, reply, first, responses, include_usage)
+
+    async def _body(self, request: web.Request) -> Any:
+        """The request's JSON body, its size and its arrival time bounded before it is parsed."""
+        if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+            raise BadBody(413, f"the request body is {request.content_length} bytes; at most {MAX_BODY_BYTES} are "
+                          "accepted")
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                raw = await request.read()  # aiohttp stops a chunked body at client_max_size
+        except web.HTTPRequestEntityTooLarge:
+            raise BadBody(413, f"the request body is over {MAX_BODY_BYTES} bytes, the most accepted") from None
+        except TimeoutError:
+            raise BadBody(408, f"the request body did not arrive within {self.body_timeout_s:g} s") from None
+        try:
+            return json.loads(raw, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+        except _RepeatedKey as exc:
+            raise BadBody(400, f"the request body repeats the key {_short(exc.key)}", param=exc.key[:40]) from None
+        except UnicodeDecodeError:
+            raise BadBody(400, "the request body is not valid UTF-8") from None
+        except RecursionError:
+            raise BadBody(400, "the request body nests too deeply") from None
+        except ValueError as exc:
+            raise BadBody(400, f"the request body is not valid JSON: {exc}") from None
 
     async def _whole(self, reply: _Reply, first: gateway_pb2.GenerateResponse,
                      responses: AsyncIterator[gateway_pb2.GenerateResponse]) -> web.Response:
@@ -193,15 +282,21 @@ class OpenAIServer:
     def _parse(self, body: Any, chat: bool) -> tuple[gateway_pb2.GenerateRequest, bool, bool]:
         if not isinstance(body, dict):
             raise BadParameter("body", "the request body must be a JSON object")
+        ignored = sorted(set(body) - (_CHAT_FIELDS if chat else _COMPLETION_FIELDS))
+        if ignored:
+            log.warning("ignored request fields this API does not know: %s%s", ", ".join(map(_short, ignored[:8])),
+                        f" and {len(ignored) - 8} more" if len(ignored) > 8 else "")
         model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise BadParameter("model", "model must be a string")
         if model not in (None, self.model_name):
-            raise BadParameter("model", f"The model `{model}` does not exist; this server serves "
-                               f"`{self.model_name}` (GET /v1/models)")
+            raise BadParameter("model", f"The model {_short(model)} does not exist; this server serves "
+                               f"`{self.model_name}` (GET /v1/models)", status=404)
         for name, harmless in _UNSUPPORTED.items():
             if not harmless(body.get(name)):
                 raise BadParameter(name, f"{name} is not supported by pdserve")
         n = body.get("n")
-        if n not in (None, 1):
+        if n is not None and (isinstance(n, bool) or n != 1):
             raise BadParameter("n", "only n=1 is supported")
         generate = gateway_pb2.GenerateRequest()
         if chat:
@@ -221,6 +316,8 @@ class OpenAIServer:
                 raise BadParameter(name, f"{name} must be >= {-1 if name == 'top_k' else 0}")
             if name == "max_tokens" and value < 1:
                 raise BadParameter(name, "max_tokens must be >= 1")
+            if name == "temperature" and value < 0:  # checked here: float32 would round -5e-324 to -0.0, allowed
+                raise BadParameter(name, "temperature must be >= 0")
             try:
                 if name == "top_k":
                     generate.top_k = max(0, int(value))  # -1 (vLLM's "off") is 0 here
@@ -231,13 +328,14 @@ class OpenAIServer:
         stop = body.get("stop")
         if isinstance(stop, str):
             stop = [stop]
-        if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
-            raise BadParameter("stop", "stop must be a non-empty string or a list of them")
+        if stop is not None and not (isinstance(stop, list) and len(stop) <= MAX_STOP_STRINGS
+                                     and all(isinstance(s, str) and s for s in stop)):
+            raise BadParameter("stop", f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS}")
         try:
             check_stop(stop or [])
         except InvalidRequest as exc:
             raise BadParameter("stop", str(exc)) from None
-        generate.stop.extend(stop or [])
+        generate.stop.extend(_unicode(s, "stop") for s in stop or [])
         ignore_eos = body.get("ignore_eos", False)
         if not isinstance(ignore_eos, bool):
             raise BadParameter("ignore_eos", "ignore_eos must be a boolean")
@@ -248,15 +346,18 @@ class OpenAIServer:
         options = body.get("stream_options")
         if options is not None and (not stream or not isinstance(options, dict)):
             raise BadParameter("stream_options", "stream_options is an object, allowed only with stream: true")
-        include_usage = bool((options or {}).get("include_usage", False))
+        include_usage = (options or {}).get("include_usage", False)
+        if not isinstance(include_usage, bool):
+            raise BadParameter("stream_options", "stream_options.include_usage must be a boolean")
         return generate, stream, include_usage
 
     def _completion_prompt(self, prompt: Any, generate: gateway_pb2.GenerateRequest) -> None:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str) and prompt:
-            generate.prompt = prompt
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and 0 <= t < 1 << 32 for t in prompt):
+            generate.prompt = _unicode(prompt, "prompt")
+        elif isinstance(prompt, list) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32 for t in prompt):
             generate.token_ids.extend(prompt)
         else:
             raise BadParameter("prompt", "prompt must be a non-empty string or list of token ids (one prompt: "
@@ -267,6 +368,9 @@ class OpenAIServer:
         """OpenAI messages as the gateway's; roles and the chat template are checked where gRPC's are."""
         if not isinstance(messages, list) or not messages:
             raise BadParameter("messages", "messages must be a non-empty list")
+        if len(messages) > MAX_MESSAGES:  # before each is checked and copied
+            raise BadParameter("messages", f"messages holds {len(messages)} messages; at most {MAX_MESSAGES} are "
+                               "accepted")
         turns = []
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
@@ -279,7 +383,8 @@ class OpenAIServer:
                 content = "".join(p["text"] for p in content)
             if not isinstance(content, str):
                 raise BadParameter(f"messages[{i}].content", "content must be a string or a list of text parts")
-            turns.append(gateway_pb2.ChatMessage(role=message["role"], content=content))
+            turns.append(gateway_pb2.ChatMessage(role=_unicode(message["role"], f"messages[{i}].role"),
+                                                 content=_unicode(content, f"messages[{i}].content")))
         return turns
 
 

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
 import secrets
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError, Message
+from jinja2 import TemplateError
 
 from model_runner.sampling import SamplingParams
 from protos import gateway_pb2
@@ -21,6 +26,17 @@ MAX_STOP_STRINGS = 16
 # sentinel ("\n\n", "</answer>", "User:"). The gateway's event loop builds a request's stop matcher in time linear
 # in its stops' characters: 16 at the cap take ~30 ms here; a 300,000-character one would take seconds.
 MAX_STOP_CHARS = 1000
+# Turns of a conversation: as OpenAI's API caps `messages` ("maximum length of 2048 items"). Each is checked and
+# rendered through the chat template, so the count bounds that work; no model's context holds more turns anyway.
+MAX_MESSAGES = 2048
+
+# Tokenizing and rendering chat templates cost ~0.45 us a character here: 8 MiB of prompt took 6 s. They run on
+# these threads, never on the event loop (the Rust tokenizer lets go of the GIL while it encodes), two at a time
+# so that one long prompt does not queue every other behind it, and no more, so that a flood of long prompts
+# takes at most two of the host's cores from the workers. A prompt is measured before it is queued here.
+_TOKENIZING = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+_T = TypeVar("_T")
+_M = TypeVar("_M", bound=Message)
 
 
 class InvalidRequest(ValueError):
@@ -35,6 +51,26 @@ class RequestFailed(Exception):
     def __init__(self, code: grpc.StatusCode, message: str, retry_after_ms: int = 0) -> None:
         super().__init__(message)
         self.code, self.message, self.retry_after_ms = code, message, retry_after_ms
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """Bytes that are no valid request message: a string field that is not UTF-8, a corrupt wire format. The gRPC
+    handler answers INVALID_ARGUMENT; had the deserializer raised, grpc would have answered UNKNOWN."""
+
+    error: str
+
+
+def lenient(message_class: type[_M]) -> Callable[[bytes], _M | Undecodable]:
+    """A gRPC request deserializer that hands undecodable bytes on as Undecodable, for the handler to refuse."""
+
+    def decode(data: bytes) -> _M | Undecodable:
+        try:
+            return message_class.FromString(data)
+        except DecodeError as exc:
+            return Undecodable(f"the request is not a valid {message_class.DESCRIPTOR.full_name}: {exc}")
+
+    return decode
 
 
 @dataclass(frozen=True)
@@ -57,17 +93,55 @@ class GenerateParams:
 CHAT_ROLES = ("system", "user", "assistant")
 
 
-def chat_prompt(messages: Iterable[gateway_pb2.ChatMessage], tokenizer: Any) -> list[int]:
-    """The conversation's token ids under the tokenizer's chat template, ending with the assistant's turn."""
+def chat_turns(messages: Sequence[gateway_pb2.ChatMessage], tokenizer: Any, max_chars: int) -> list[dict[str, str]]:
+    """The conversation as the chat template takes it, checked: known roles, at most MAX_MESSAGES turns and
+    `max_chars` characters of content."""
+    if len(messages) > MAX_MESSAGES:
+        raise InvalidRequest(f"messages: {len(messages)} messages; at most {MAX_MESSAGES} are accepted")
     turns = []
     for i, message in enumerate(messages):
         if message.role not in CHAT_ROLES:
-            raise InvalidRequest(f"messages[{i}].role = {message.role!r}: expected one of {', '.join(CHAT_ROLES)}")
+            role = message.role[:32] + ("..." if len(message.role) > 32 else "")
+            raise InvalidRequest(f"messages[{i}].role = {role!r}: expected one of {', '.join(CHAT_ROLES)}")
         turns.append({"role": message.role, "content": message.content})
+    chars = sum(len(turn["content"]) for turn in turns)
+    if chars > max_chars:
+        raise InvalidRequest(f"messages hold {chars} characters of content; none over {max_chars} can fit the "
+                             "model's context")
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequest("messages: this model's tokenizer has no chat template; send a prompt instead")
-    encoded = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+    return turns
+
+
+def chat_prompt(turns: list[dict[str, str]], tokenizer: Any) -> list[int]:
+    """The conversation's token ids under the tokenizer's chat template, ending with the assistant's turn."""
+    try:
+        encoded = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+    except TemplateError as exc:  # a template may refuse a conversation (raise_exception), e.g. roles out of turn
+        raise InvalidRequest(f"messages: the model's chat template refused them: {exc}") from None
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+@functools.lru_cache(maxsize=4)
+def _longest_token_chars(tokenizer: Any) -> int:
+    # A vocabulary entry is spelled with at least as many characters as the text it stands for (byte-level BPE
+    # spells each byte as one character, SentencePiece a space as one), so no token covers more than this.
+    return max(map(len, tokenizer.get_vocab()), default=1)  # ~20 ms for 49,152 entries: once, off the loop
+
+
+def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int:
+    """The most characters a prompt can have and still fit the context: no token covers more than the vocabulary's
+    longest. A longer prompt is refused before it is tokenized, and no prompt that fits ever is."""
+    return max_model_len * _longest_token_chars(tokenizer)
+
+
+def _no_room(tokens: int, max_model_len: int) -> InvalidRequest:
+    return InvalidRequest(f"prompt is {tokens} tokens; the model's context is {max_model_len} tokens and needs "
+                          "room for at least one generated token")
+
+
+async def _off_loop(work: Callable[..., _T], *args: Any) -> _T:
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZING, work, *args)
 
 
 def check_stop(stop: Sequence[str]) -> None:
@@ -80,37 +154,20 @@ def check_stop(stop: Sequence[str]) -> None:
             raise InvalidRequest(f"stop[{i}] is {len(s)} characters; a stop string may have at most {MAX_STOP_CHARS}")
 
 
-def parse_request(
+async def parse_request(
     request: gateway_pb2.GenerateRequest, tokenizer: Any, vocab_size: int, max_model_len: int
 ) -> GenerateParams:
+    """Every check costs time linear in what the request carries, and the cheap ones come first. A prompt or a
+    conversation too long to fit the context is refused by its length in characters, before any tokenizing; what
+    is tokenized is tokenized off the event loop."""
+    if isinstance(request, Undecodable):  # from lenient(): refused here, as every other bad request is
+        raise InvalidRequest(request.error)
     given = [name for name in ("prompt", "token_ids", "messages") if getattr(request, name)]
     if len(given) != 1:
         raise InvalidRequest(f"give exactly one of prompt, token_ids and messages (got {' and '.join(given)})"
                              if given else "prompt is empty: give a non-empty prompt, token_ids or messages")
-    if request.messages:
-        prompt_ids = chat_prompt(request.messages, tokenizer)
-    elif request.prompt:
-        prompt_ids = list(tokenizer(request.prompt).input_ids)
-        if not prompt_ids:
-            raise InvalidRequest("prompt tokenizes to no tokens")
-    else:
-        prompt_ids = list(request.token_ids)
-        bad = next((i for i, t in enumerate(prompt_ids) if t >= vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(f"token_ids[{bad}] = {prompt_ids[bad]} is outside the vocabulary (size {vocab_size})")
-    room = max_model_len - len(prompt_ids)
-    if room < 1:
-        raise InvalidRequest(f"prompt is {len(prompt_ids)} tokens; the model's context is {max_model_len} tokens "
-                             "and needs room for at least one generated token")
-    if request.HasField("max_tokens"):
-        max_tokens = request.max_tokens
-        if max_tokens < 1:
-            raise InvalidRequest("max_tokens must be >= 1")
-        if max_tokens > room:
-            raise InvalidRequest(f"max_tokens = {max_tokens} exceeds the {room} tokens the context leaves after a "
-                                 f"{len(prompt_ids)}-token prompt (context {max_model_len})")
-    else:
-        max_tokens = min(DEFAULT_MAX_TOKENS, room)
+    if request.HasField("max_tokens") and request.max_tokens < 1:
+        raise InvalidRequest("max_tokens must be >= 1")
     temperature = request.temperature if request.HasField("temperature") else 1.0
     if not 0 <= temperature <= 2:  # also refuses NaN
         raise InvalidRequest(f"temperature = {temperature} is outside [0, 2]")
@@ -119,7 +176,17 @@ def parse_request(
         raise InvalidRequest(f"top_p = {top_p} is outside (0, 1]")
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequest(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
+    if not request.request_id.isprintable():  # it is logged: a newline in it would forge log lines
+        raise InvalidRequest("request_id may hold printable characters only")
     check_stop(request.stop)
+    prompt_ids = await _prompt_ids(request, tokenizer, vocab_size, max_model_len)
+    room = max_model_len - len(prompt_ids)
+    if room < 1:
+        raise _no_room(len(prompt_ids), max_model_len)
+    max_tokens = request.max_tokens if request.HasField("max_tokens") else min(DEFAULT_MAX_TOKENS, room)
+    if max_tokens > room:
+        raise InvalidRequest(f"max_tokens = {max_tokens} exceeds the {room} tokens the context leaves after a "
+                             f"{len(prompt_ids)}-token prompt (context {max_model_len})")
     seed = request.seed if request.HasField("seed") else secrets.randbits(63)
     return GenerateParams(
         request_id=request.request_id or uuid.uuid4().hex,
@@ -129,3 +196,27 @@ def parse_request(
         stop=list(request.stop),
         ignore_eos=request.ignore_eos,
     )
+
+
+async def _prompt_ids(
+    request: gateway_pb2.GenerateRequest, tokenizer: Any, vocab_size: int, max_model_len: int
+) -> list[int]:
+    max_chars = await _off_loop(max_prompt_chars, tokenizer, max_model_len)
+    if request.messages:
+        turns = chat_turns(request.messages, tokenizer, max_chars)
+        return await _off_loop(chat_prompt, turns, tokenizer)
+    if request.prompt:
+        if len(request.prompt) > max_chars:
+            raise InvalidRequest(f"prompt is {len(request.prompt)} characters; none over {max_chars} can fit the "
+                                 f"model's context of {max_model_len} tokens")
+        prompt_ids = await _off_loop(lambda: list(tokenizer(request.prompt).input_ids))
+        if not prompt_ids:
+            raise InvalidRequest("prompt tokenizes to no tokens")
+        return prompt_ids
+    if len(request.token_ids) >= max_model_len:  # before the ids are copied and scanned
+        raise _no_room(len(request.token_ids), max_model_len)
+    prompt_ids = list(request.token_ids)
+    bad = next((i for i, t in enumerate(prompt_ids) if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"token_ids[{bad}] = {prompt_ids[bad]} is outside the vocabulary (size {vocab_size})")
+    return prompt_ids

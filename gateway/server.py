@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import sys
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -37,8 +38,16 @@ from gateway.admission import Admission, AdmissionConfig, Overloaded
 from gateway.auth import ApiKeys
 from gateway.detokenizer import TextStream
 from gateway.journey import GatewayError, RetryPolicy, Timings
-from gateway.openai_api import OpenAIServer
-from gateway.request import GenerateParams, InvalidRequest, RequestFailed, parse_request
+from gateway.openai_api import DEFAULT_BODY_TIMEOUT_S, OpenAIServer
+from gateway.request import (
+    GenerateParams,
+    InvalidRequest,
+    RequestFailed,
+    Undecodable,
+    lenient,
+    max_prompt_chars,
+    parse_request,
+)
 from gateway.workers import PairBreakers, Pool, check_pairing
 from model_runner.loading import DEFAULT_MODEL, resolve_model
 from pdserve import logs, serving, tracing
@@ -64,6 +73,7 @@ class GatewayConfig:
     api_key_file: str = ""  # API keys, one per line (also PDSERVE_API_KEYS); none: no key needed
     served_model_name: str = ""  # the model's name in the HTTP API; default: the model directory's name
     prefix_balance_tokens: int = 2048  # prefix-aware routing's leeway in queued tokens; -1 = by load alone
+    http_body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # an HTTP body that takes longer to arrive gets 408
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -79,6 +89,8 @@ class GatewayConfig:
             raise ValueError(f"--poll-interval {self.poll_interval_s}: must be > 0")
         if not -1 <= self.http_port < 65536:
             raise ValueError(f"--http-port {self.http_port}: expected -1 (off) or 0..65535")
+        if not self.http_body_timeout_s > 0:
+            raise ValueError(f"--http-body-timeout {self.http_body_timeout_s}: must be > 0")
         if self.api_key_file and not os.path.isfile(self.api_key_file):
             raise ValueError(f"--api-key-file {self.api_key_file}: no such file")
         ApiKeys.load(self.api_key_file)  # a key file or PDSERVE_API_KEYS holding no key must not turn auth off
@@ -96,7 +108,8 @@ class GatewayConfig:
                    admission=AdmissionConfig(max_in_flight=args.max_in_flight, max_queue=args.max_queue,
                                              queue_timeout_s=args.queue_timeout_s),
                    poll_interval_s=args.poll_interval_s, http_port=args.http_port, api_key_file=args.api_key_file,
-                   served_model_name=args.served_model_name, prefix_balance_tokens=args.prefix_balance_tokens)
+                   served_model_name=args.served_model_name, prefix_balance_tokens=args.prefix_balance_tokens,
+                   http_body_timeout_s=args.http_body_timeout_s)
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
@@ -143,6 +156,9 @@ class GatewayConfig:
                            help="send a prompt to the prefill worker most likely to hold its prefix while that "
                            "worker's queue is within this many tokens of the least loaded one's; -1 routes by load "
                            "alone (default: %(default)s)")
+        group.add_argument("--http-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                           dest="http_body_timeout_s",
+                           help="seconds an HTTP request's body may take to arrive before 408 (default: %(default)s)")
         group.add_argument("--served-model-name", default="",
                            help="the model's name in the HTTP API (default: the model directory's name)")
         group.add_argument("--startup-timeout", type=float, default=300.0, dest="startup_timeout_s",
@@ -258,7 +274,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self, request: gateway_pb2.GenerateRequest, deadline: float | None, arrived: float
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         try:
-            params = parse_request(request, self.tokenizer, self.model.vocab_size, self.model.max_model_len)
+            params = await parse_request(request, self.tokenizer, self.model.vocab_size, self.model.max_model_len)
         except InvalidRequest as exc:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         trace.get_current_span().set_attribute("pdserve.request_id", params.request_id)
@@ -307,6 +323,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     ) -> gateway_pb2.CancelResponse:
         if not self.keys.allows(context.invocation_metadata()):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, self.keys.refusal)
+        if isinstance(request, Undecodable):  # see register(); Generate's are refused by parse_request
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         task = self._tasks.get(request.request_id)
@@ -339,7 +357,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 if finish:
                     response.finish_reason = finish
                     response.usage.CopyFrom(gateway_pb2.Usage(prompt_tokens=len(params.prompt_ids),
-                                                              completion_tokens=generated,
+                                                              completion_tokens=text_stream.consumed,
                                                               cached_tokens=timings.cached_tokens))
                     response.timing.CopyFrom(_timing(timings, arrived, first_at, generated))
                 yield response
@@ -363,21 +381,36 @@ def _timing(timings: Timings, arrived: float, first_at: float, generated: int) -
 async def serve(config: GatewayConfig) -> None:
     from transformers import AutoTokenizer
 
+    # Chat templates render in Python on the tokenizing threads (request.py): such a thread hands the GIL back to
+    # the event loop within 1 ms instead of the default 5, and streams keep their pace beside a long conversation.
+    sys.setswitchinterval(0.001)
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, resolve_model(config.model))
     prefill = Pool("prefill", config.prefill, tls=config.server.tls, prefix_balance_tokens=config.prefix_balance_tokens)
     decode = Pool("decode", config.decode, tls=config.server.tls)
     await asyncio.gather(prefill.fetch_info(config.startup_timeout_s), decode.fetch_info(config.startup_timeout_s))
     model = check_pairing(prefill, decode)
+    max_prompt_chars(tokenizer, model.max_model_len)  # its vocabulary scan holds the GIL ~20 ms: now, not in a request
     servicer = GatewayServicer(tokenizer, model, prefill, decode, config.colocate_below, config.retry,
                                config.admission, ApiKeys.load(config.api_key_file))
-    http = OpenAIServer(servicer, config.served_model_name or _model_name(config.model))
+    http = OpenAIServer(servicer, config.served_model_name or _model_name(config.model), config.http_body_timeout_s)
     announce = {}
     if config.http_port >= 0:
         announce["http"] = await http.start(config.server.host, config.http_port)
 
     def register(server: grpc.aio.Server) -> list[str]:
-        gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
-        return [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name]
+        # gateway_pb2_grpc's handlers but for the deserializers: bytes that are no valid message (bad UTF-8 in a
+        # string) reach the handlers, which answer INVALID_ARGUMENT, where grpc would answer UNKNOWN
+        name = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+        handlers = {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                servicer.Generate, request_deserializer=lenient(gateway_pb2.GenerateRequest),
+                response_serializer=gateway_pb2.GenerateResponse.SerializeToString),
+            "Cancel": grpc.unary_unary_rpc_method_handler(
+                servicer.Cancel, request_deserializer=lenient(gateway_pb2.CancelRequest),
+                response_serializer=gateway_pb2.CancelResponse.SerializeToString)}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+        server.add_registered_method_handlers(name, handlers)
+        return [name]
 
     polls = [asyncio.ensure_future(pool.poll(config.poll_interval_s)) for pool in (prefill, decode) if pool.workers]
 

@@ -282,7 +282,7 @@ def test_a_stop_string_s_tokens_are_not_returned_and_the_text_is_their_text(clie
     stopped = generate(keyed.gateway.address, 60, KEY, stop=[stop], **request)
     assert (stopped.text, stopped.finish_reason) == (head, "stop")
     assert stopped.token_ids == full.token_ids[:k]
-    assert stopped.usage is not None and stopped.usage.completion_tokens == k + 2  # generated, stop's tokens too
+    assert stopped.usage is not None and stopped.usage.completion_tokens == k + 2  # up to the stop string's end
     over_http = client.completions.create(model=MODEL, prompt=request["prompt"], max_tokens=16, temperature=0,
                                           stop=[stop], extra_body={"ignore_eos": True})
     assert over_http.choices[0].text == head and over_http.choices[0].finish_reason == "stop"

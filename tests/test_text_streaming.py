@@ -177,6 +177,9 @@ def test_a_stop_string_s_tokens_are_not_returned(tokenizer) -> None:
     assert pieces[-1][2], "the stop string was hit"
     assert "".join(text for text, _, _ in pieces) == "Hello world, the"
     assert [t for _, got, _ in pieces for t in got] == ids[:4]  # " END"'s token stays out
+    assert stream.consumed == 5
+    batched = TextStream(tokenizer, [], [" END"])  # in one batch, with tokens after the stop: the same
+    assert batched.add(ids, last=True) == ("Hello world, the", ids[:4], True) and batched.consumed == 5
     # a token that straddles the stop's start lends its head to the text, not its id
     straddle = TextStream(tokenizer, [], ["ld,"])
     pieces = [straddle.add([t], last=False) for t in ids[:3]]
@@ -196,7 +199,7 @@ def test_pieces_join_to_the_cut_text_and_carry_exactly_their_tokens(tokenizer, p
                                                                      stops: list[str]) -> None:
     """However the tokens are batched: the text is the whole decode cut before the first stop to end; each piece's
     token ids are the tokens of the text so far; the tokens that go out never hold stop text; without a stop,
-    every token goes out."""
+    every token goes out; and what goes out is what goes out when the tokens come one by one."""
     ids = []
     for pick in picks:
         ids += [2] if pick == len(_PIECES) else tokenizer(_PIECES[pick], add_special_tokens=False).input_ids
@@ -214,6 +217,13 @@ def test_pieces_join_to_the_cut_text_and_carry_exactly_their_tokens(tokenizer, p
         assert tokenizer.decode(sent, skip_special_tokens=True) == text  # a piece's text is its tokens' text
     assert (text, stopped) == (expected, hits)
     assert sent == ids[: len(sent)]
+    one_by_one, pieces = TextStream(tokenizer, [], stops), []
+    for i, token in enumerate(ids):
+        pieces.append(one_by_one.add([token], last=i == len(ids) - 1))
+        if pieces[-1][2]:
+            break
+    assert ("".join(p[0] for p in pieces), [t for p in pieces for t in p[1]]) == (text, sent)
+    assert stream.consumed == one_by_one.consumed == len(pieces)
     assert text.startswith(tokenizer.decode(sent, skip_special_tokens=True))
     if not hits:
         assert sent == ids

@@ -1,0 +1,509 @@
+"""Hostile input over both APIs (issue 21): each kind of bad request gets a precise 4xx or gRPC status, never 500,
+UNKNOWN or INTERNAL, within 100 ms; nothing is held afterwards; and a bystander's stream decodes alongside.
+
+The corpus test runs as a lifecycle:
+1. A bystander streams alone: its gaps between responses are the baseline.
+2. The corpus runs entry by entry while the bystander streams again.
+3. Every entry got its expected status, in time, and the bystander kept its pace.
+4. Leak check: every live gauge is 0 within 1 s, and every worker holds nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from transformers import AutoTokenizer
+
+from gateway.openai_api import MAX_BODY_BYTES
+from gateway.request import MAX_MESSAGES, InvalidRequest, max_prompt_chars, parse_request
+from pdserve.cluster import Cluster
+from pdserve.serving import MAX_MESSAGE_BYTES
+from protos import gateway_pb2, gateway_pb2_grpc
+from tests.conftest import assert_nothing_held, start_cluster
+from tests.test_metrics import _live
+
+BODY_TIMEOUT_S = 0.5  # the gateway's --http-body-timeout here, so that a slowloris body is refused quickly
+CONTEXT = 512  # the tiny model's
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def hostile(tiny_model_dir: Path) -> Iterator[Cluster]:
+    cluster = start_cluster(tiny_model_dir, decode_args=("--max-seqs=8",),
+                            gateway_args=(f"--http-body-timeout={BODY_TIMEOUT_S}",))
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+# --- the event loop stays free -------------------------------------------------------------------------------------
+
+async def _loop_stall(work: Callable[[], Any]) -> tuple[float, BaseException | None]:
+    """The longest the event loop went without running a 1 ms ticker while `work()` was awaited, and what it
+    raised."""
+    loop = asyncio.get_running_loop()
+    gaps = [0.0]
+
+    async def tick() -> None:
+        last = loop.time()
+        while True:
+            await asyncio.sleep(0.001)
+            gaps.append(loop.time() - last)
+            last = loop.time()
+
+    ticker = asyncio.ensure_future(tick())
+    await asyncio.sleep(0.01)
+    try:
+        await work()
+        raised = None
+    except Exception as exc:
+        raised = exc
+    await asyncio.sleep(0.005)  # the ticker records the gap that ends now, however the work held the loop
+    ticker.cancel()
+    return max(gaps), raised
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer: Any) -> None:
+    """With the default model's 8192-token context a prompt may hold 663,552 characters: ~0.3 s of tokenizing,
+    which used to hold the gateway's event loop (8 MiB of prompt held it 6 s)."""
+    bound = max_prompt_chars(tokenizer, 8192)  # its one vocabulary scan done, as the gateway does at start-up
+    prompt = ("hello world, " * (bound // 13))[:bound]
+    request = gateway_pb2.GenerateRequest(prompt=prompt)
+    started = time.perf_counter()
+    stall, raised = asyncio.run(_loop_stall(lambda: parse_request(request, tokenizer, VOCAB, 8192)))
+    took = time.perf_counter() - started
+    assert isinstance(raised, InvalidRequest) and "tokens; the model's context is 8192" in str(raised)
+    assert took > 0.1, "the prompt was tokenized"
+    assert stall < 0.05, f"the loop stalled {stall * 1e3:.0f} ms while {took * 1e3:.0f} ms of tokenizing ran"
+
+
+def test_what_cannot_fit_is_refused_before_it_is_tokenized(tokenizer: Any) -> None:
+    bound = max_prompt_chars(tokenizer, CONTEXT)
+    longest = max(map(len, tokenizer.get_vocab()))
+    assert bound == CONTEXT * longest
+    cases = {
+        "prompt": gateway_pb2.GenerateRequest(prompt="x" * (8 << 20)),
+        "messages hold": gateway_pb2.GenerateRequest(messages=[
+            gateway_pb2.ChatMessage(role="user", content="x" * (bound // 2 + 1)) for _ in range(2)]),
+        "messages: 2049": gateway_pb2.GenerateRequest(messages=[
+            gateway_pb2.ChatMessage(role="user", content="x")] * (MAX_MESSAGES + 1)),
+        "prompt is 1000000 tokens": gateway_pb2.GenerateRequest(token_ids=[1] * 1_000_000),
+    }
+    for says, request in cases.items():
+        started = time.perf_counter()
+        with pytest.raises(InvalidRequest, match=says):
+            asyncio.run(parse_request(request, tokenizer, VOCAB, CONTEXT))
+        assert time.perf_counter() - started < 0.05, says
+    # at the bound, it is tokenized (and here refused for its tokens, not its characters)
+    with pytest.raises(InvalidRequest, match="tokens; the model's context is 512"):
+        asyncio.run(parse_request(gateway_pb2.GenerateRequest(prompt="y" * bound), tokenizer, VOCAB, CONTEXT))
+
+
+# --- clients -------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Reply:
+    status: int | str  # an HTTP status, or a gRPC status code's name ("OK" when the stream finished)
+    message: str  # the error's message, and its `param` when it names one
+    seconds: float
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, port = address.rsplit(":", 1)
+    return host, int(port)
+
+
+def _read_reply(sock: socket.socket, started: float) -> Reply:
+    """The status and error message of an HTTP response on `sock` (Connection: close)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    seconds = time.perf_counter() - started
+    head, _, body = data.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), None)
+    while length is not None and len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    try:
+        error = json.loads(body)["error"]
+        message = f"{error['message']} (param {error['param']})"
+    except (ValueError, KeyError, TypeError):
+        message = body.decode(errors="replace")
+    return Reply(status, message, seconds)
+
+
+def post(cluster: Cluster, body: bytes | dict, path: str = "/v1/completions", headers: dict[str, str] | None = None,
+         declared_length: int | None = None) -> Reply:
+    """POST `body` (JSON-encoded if a dict) on a fresh connection; `declared_length` sends that Content-Length
+    and only the body given."""
+    raw = json.dumps(body).encode() if isinstance(body, dict) else body
+    head = [f"POST {path} HTTP/1.1", "Host: pdserve", "Content-Type: application/json", "Connection: close",
+            f"Content-Length: {len(raw) if declared_length is None else declared_length}",
+            *(f"{k}: {v}" for k, v in (headers or {}).items())]
+    with socket.create_connection(_host_port(cluster.gateway.http), timeout=10) as sock:
+        started = time.perf_counter()
+        sock.sendall("\r\n".join(head).encode("latin-1", "surrogateescape") + b"\r\n\r\n" + raw)
+        return _read_reply(sock, started)
+
+
+def post_chunked(cluster: Cluster, size: int) -> Reply:
+    """A chunked body of `size` bytes, sent 64 KiB at a time for as long as the gateway reads it."""
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: pdserve\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+    with socket.create_connection(_host_port(cluster.gateway.http), timeout=10) as sock:
+        started = time.perf_counter()
+        sock.sendall(head)
+        chunk = b"%x\r\n%s\r\n" % (65536, b" " * 65536)
+        try:
+            for _ in range(size // 65536):
+                sock.sendall(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused and closed before the whole body was sent
+        return _read_reply(sock, started)
+
+
+def slowloris(cluster: Cluster) -> Reply:
+    """Headers, then a tenth of the body it announces, then nothing."""
+    with socket.create_connection(_host_port(cluster.gateway.http), timeout=10) as sock:
+        started = time.perf_counter()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: pdserve\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\nConnection: close\r\n\r\n" + b'{"prompt": "' + b"a" * 88)
+        return _read_reply(sock, started)
+
+
+def abandoned_sse(cluster: Cluster) -> Reply:
+    """A streaming completion left after its first event: the connection is closed, unread."""
+    body = json.dumps({"prompt": "Tell me a story", "max_tokens": 400, "ignore_eos": True, "stream": True}).encode()
+    with socket.create_connection(_host_port(cluster.gateway.http), timeout=10) as sock:
+        started = time.perf_counter()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: pdserve\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        data = b""
+        while b"data: " not in data:
+            chunk = sock.recv(65536)
+            assert chunk, f"the stream ended before its first event: {data!r}"
+            data += chunk
+        seconds = time.perf_counter() - started
+    return Reply(int(data.split(b" ", 2)[1]), "", seconds)
+
+
+def grpc_call(cluster: Cluster, request: gateway_pb2.GenerateRequest | bytes, cancel_after: int = 0) -> Reply:
+    """Generate with `request` (raw bytes are sent as they are), to its end or, with `cancel_after`, cancelled
+    after that many responses."""
+    with grpc.insecure_channel(cluster.gateway.address) as channel:
+        if isinstance(request, bytes):
+            call = channel.unary_stream("/pdserve.v1.Gateway/Generate",
+                                        response_deserializer=gateway_pb2.GenerateResponse.FromString)(request,
+                                                                                                       timeout=10)
+        else:
+            call = gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=10)
+        started = time.perf_counter()
+        try:
+            for n, _ in enumerate(call, start=1):
+                if n == cancel_after:
+                    call.cancel()
+                    return Reply("CANCELLED", "", time.perf_counter() - started)
+        except grpc.RpcError as exc:
+            return Reply(exc.code().name, exc.details() or "", time.perf_counter() - started)  # type: ignore[attr-defined]
+        return Reply("OK", "", time.perf_counter() - started)
+
+
+def grpc_cancel(cluster: Cluster, request: gateway_pb2.CancelRequest | bytes) -> Reply:
+    with grpc.insecure_channel(cluster.gateway.address) as channel:
+        call = channel.unary_unary("/pdserve.v1.Gateway/Cancel",
+                                   request_serializer=None if isinstance(request, bytes) else
+                                   gateway_pb2.CancelRequest.SerializeToString,
+                                   response_deserializer=gateway_pb2.CancelResponse.FromString)
+        started = time.perf_counter()
+        try:
+            call(request, timeout=10)
+        except grpc.RpcError as exc:
+            return Reply(exc.code().name, exc.details() or "", time.perf_counter() - started)  # type: ignore[attr-defined]
+        return Reply("OK", "", time.perf_counter() - started)
+
+
+def _wire(**fields: bytes | int) -> bytes:
+    """A GenerateRequest written by hand: field number -> bytes (length-delimited) or int (varint)."""
+    numbers = {"prompt": 1, "max_tokens": 3, "stop": 7, "request_id": 8, "unknown": 99}
+    out = b""
+    for name, value in fields.items():
+        number = numbers[name.rstrip("_")]
+        if isinstance(value, int):
+            out += _varint(number << 3) + _varint(value)
+        else:
+            out += _varint(number << 3 | 2) + _varint(len(value)) + value
+    return out
+
+
+def _varint(value: int) -> bytes:
+    out = b""
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out += bytes([byte | (0x80 if value else 0)])
+        if not value:
+            return out
+
+
+# --- the corpus ----------------------------------------------------------------------------------------------------
+
+@dataclass
+class Entry:
+    name: str
+    send: Callable[[Cluster], Reply]
+    expect: int | str  # HTTP status or gRPC status name
+    says: str = ""  # in the error message: the field or the limit named
+    within_s: float = 0.1
+
+
+# Refused only once tokenized (the prompt or conversation could have fit): real work, 20-50 ms on an idle machine;
+# other engineers' tests share this one's two cores, so these get more room than 100 ms.
+TOKENIZED_S = 0.25
+
+
+def _chat(messages: Any, **extra: Any) -> Callable[[Cluster], Reply]:
+    return lambda c: post(c, {"messages": messages, "max_tokens": 2, **extra}, "/v1/chat/completions")
+
+
+def _completion(**body: Any) -> Callable[[Cluster], Reply]:
+    return lambda c: post(c, {"max_tokens": 2, **body})
+
+
+def _generate(**fields: Any) -> Callable[[Cluster], Reply]:
+    return lambda c: grpc_call(c, gateway_pb2.GenerateRequest(**fields))
+
+
+USER = {"role": "user", "content": "Hi"}
+HI = {"prompt": "Hi"}
+
+CORPUS = [
+    # sizes: refused by what they declare or hold, before the work they would cost
+    Entry("body over the cap, by Content-Length", lambda c: post(c, b"{", declared_length=8 << 20), 413, "bytes"),
+    Entry("chunked body over the cap", lambda c: post_chunked(c, MAX_BODY_BYTES + (256 << 10)), 413, "bytes"),
+    Entry("prompt of 900,000 characters", _completion(prompt="x" * 900_000), 400, "characters"),
+    Entry("prompt within the characters, past the context", _completion(prompt="ab " * 13_000), 400, "tokens",
+          TOKENIZED_S),
+    Entry("2,049 messages", _chat([USER] * (MAX_MESSAGES + 1)), 400, "2048"),
+    Entry("2,048 messages, past the context", _chat([USER] * MAX_MESSAGES), 400, "tokens", TOKENIZED_S),
+    Entry("messages' content past any context", _chat([{"role": "user", "content": "x" * 30_000}] * 2), 400,
+          "characters of content"),
+    Entry("600 token ids for a 512-token context", _completion(prompt=list(range(600))), 400, "600 tokens"),
+    Entry("gRPC prompt of 3.9 MB", _generate(prompt="x" * 3_900_000), "INVALID_ARGUMENT", "characters"),
+    # grpc refuses it, not pdserve, and the time is mostly the client's: building and sending 8 MiB (~0.1-0.6 s)
+    Entry("gRPC message over 8 MiB", _generate(prompt="x" * (MAX_MESSAGE_BYTES + 1)), "RESOURCE_EXHAUSTED",
+          within_s=1.0),
+    Entry("gRPC 2,049 messages", _generate(messages=[gateway_pb2.ChatMessage(role="user", content="x")] * 2049),
+          "INVALID_ARGUMENT", "2048"),
+    Entry("gRPC 800,000 token ids", _generate(token_ids=[7] * 800_000), "INVALID_ARGUMENT", "800000 tokens"),
+    # JSON itself
+    Entry("JSON nested 100,000 deep", lambda c: post(c, b"[" * 100_000), 400, "nests too deeply"),
+    Entry("chat content nested 500 deep", lambda c: post(
+        c, b'{"messages": [{"role": "user", "content": ' + b"[" * 500 + b"]" * 500 + b"}]}", "/v1/chat/completions"),
+        400, "messages[0].content"),
+    Entry("invalid UTF-8 in the body", lambda c: post(c, b'{"prompt": "\xff\xfe"}'), 400, "UTF-8"),
+    Entry("a lone surrogate in the prompt", lambda c: post(c, b'{"prompt": "\\ud800"}'), 400, "prompt"),
+    Entry("a lone surrogate in a message", _chat([{"role": "user", "content": "\ud800"}]), 400, "content"),
+    Entry("a repeated key", lambda c: post(c, b'{"prompt": "Hi", "max_tokens": 2, "max_tokens": 99}'), 400,
+          "max_tokens"),
+    Entry("NaN, which is not JSON", lambda c: post(c, b'{"prompt": "Hi", "temperature": NaN}'), 400, "NaN"),
+    Entry("an empty body", lambda c: post(c, b""), 400, "JSON"),
+    Entry("a body that is a list", lambda c: post(c, b"[1, 2]"), 400, "JSON object"),
+    Entry("unknown fields are ignored, as vLLM does", _completion(**HI, frobnicate=True, store=1), 200),
+    # wrong types and out-of-range values
+    Entry("max_tokens as a string", _completion(**HI, max_tokens="10"), 400, "max_tokens"),
+    Entry("max_tokens 2**40", _completion(**HI, max_tokens=2**40), 400, "max_tokens"),
+    Entry("temperature as a string", _completion(**HI, temperature="hot"), 400, "temperature"),
+    Entry("temperature 1e400 (infinity)", lambda c: post(c, b'{"prompt": "Hi", "temperature": 1e400}'), 400,
+          "temperature"),
+    Entry("temperature a negative denormal", _completion(**HI, temperature=-5e-324), 400, "temperature"),
+    Entry("temperature a denormal: greedy", _completion(**HI, temperature=5e-324), 200),
+    Entry("top_p 1e-50, zero as a float32", _completion(**HI, top_p=1e-50), 400, "top_p"),
+    Entry("top_k 2**40", _completion(**HI, top_k=2**40), 400, "top_k"),
+    Entry("seed -1", _completion(**HI, seed=-1), 400, "seed"),
+    Entry("n true", _completion(**HI, n=True), 400, "n"),
+    Entry("token ids out of the vocabulary", _completion(prompt=[1, VOCAB]), 400, "outside the vocabulary"),
+    Entry("token ids negative", _completion(prompt=[1, -1]), 400, "prompt"),
+    Entry("token ids as booleans", _completion(prompt=[True, False]), 400, "prompt"),
+    Entry("role not a string", _chat([{"role": 5, "content": "Hi"}]), 400, "messages[0]"),
+    Entry("role unknown", _chat([{"role": "robot", "content": "Hi"}]), 400, "role"),
+    Entry("17 stop strings", _completion(**HI, stop=["a"] * 17), 400, "stop"),
+    Entry("stream as a string", _completion(**HI, stream="yes"), 400, "stream"),
+    Entry("model as a number", _completion(**HI, model=5), 400, "model"),
+    Entry("an unknown model", _completion(**HI, model="gpt-5"), 404, "gpt-5"),
+    Entry("X-Request-Id of 200 characters", lambda c: post(c, {**HI, "max_tokens": 2},
+                                                           headers={"X-Request-Id": "r" * 200}), 400, "request_id"),
+    Entry("X-Request-Id with invalid UTF-8", lambda c: post(c, {**HI, "max_tokens": 2},
+                                                            headers={"X-Request-Id": "r\udcff"}), 400, "X-Request-Id"),
+    Entry("GET on a POST route", lambda c: _get(c, "/v1/completions"), 405),
+    Entry("gRPC temperature NaN", _generate(prompt="Hi", temperature=float("nan")), "INVALID_ARGUMENT",
+          "temperature"),
+    Entry("gRPC temperature a negative denormal", _generate(prompt="Hi", temperature=-1e-45), "INVALID_ARGUMENT",
+          "temperature"),
+    Entry("gRPC top_p a denormal: the top token", _generate(prompt="Hi", top_p=1e-45, max_tokens=2), "OK"),
+    Entry("gRPC top_k 2**32-1: no cut", _generate(prompt="Hi", top_k=2**32 - 1, max_tokens=2), "OK"),
+    Entry("gRPC max_tokens 2**32-1", _generate(prompt="Hi", max_tokens=2**32 - 1), "INVALID_ARGUMENT",
+          "max_tokens"),
+    Entry("gRPC token id past the vocabulary", _generate(token_ids=[1, 2**32 - 1]), "INVALID_ARGUMENT",
+          "token_ids[1]"),
+    Entry("gRPC request_id with a newline", _generate(prompt="Hi", request_id="a\nb"), "INVALID_ARGUMENT",
+          "request_id"),
+    Entry("gRPC prompt and messages both", _generate(prompt="Hi", messages=[gateway_pb2.ChatMessage(
+        role="user", content="Hi")]), "INVALID_ARGUMENT", "prompt and messages"),
+    Entry("gRPC invalid UTF-8 in the prompt", lambda c: grpc_call(c, _wire(prompt=b"\xff\xfe")),
+          "INVALID_ARGUMENT", "UTF-8"),
+    Entry("gRPC invalid UTF-8 in a stop string", lambda c: grpc_call(c, _wire(prompt=b"Hi", stop=b"\xc3")),
+          "INVALID_ARGUMENT", "UTF-8"),
+    Entry("gRPC bytes that are no message", lambda c: grpc_call(c, b"\xff\xff\xff\xff"), "INVALID_ARGUMENT"),
+    Entry("gRPC an unknown field: ignored, as protobuf does", lambda c: grpc_call(
+        c, _wire(prompt=b"Hi", max_tokens=2, unknown=b"x")), "OK"),
+    Entry("gRPC a repeated field: the last wins, as protobuf says",
+          lambda c: grpc_call(c, _wire(prompt=b"x" * 100_000, prompt_=b"Hi", max_tokens=2)), "OK"),
+    Entry("gRPC Cancel with no id", lambda c: grpc_cancel(c, gateway_pb2.CancelRequest()), "INVALID_ARGUMENT",
+          "request_id"),
+    Entry("gRPC Cancel with invalid UTF-8", lambda c: grpc_cancel(c, b"\x0a\x01\xff"), "INVALID_ARGUMENT"),
+    # slow and abandoned clients: a status, and nothing held after
+    Entry("slowloris body", slowloris, 408, "did not arrive", within_s=BODY_TIMEOUT_S + 0.1),
+    Entry("abandoned SSE stream", abandoned_sse, 200),
+    Entry("abandoned gRPC stream", lambda c: grpc_call(c, gateway_pb2.GenerateRequest(
+        prompt="Tell me a story", max_tokens=400, ignore_eos=True), cancel_after=2), "CANCELLED"),
+]
+
+
+def _get(cluster: Cluster, path: str) -> Reply:
+    with socket.create_connection(_host_port(cluster.gateway.http), timeout=10) as sock:
+        started = time.perf_counter()
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: pdserve\r\nConnection: close\r\n\r\n".encode())
+        return _read_reply(sock, started)
+
+
+class Bystander:
+    """Greedy streams back to back in a process of its own (the senders' work must not delay its reads), from its
+    first response until stopped, at most `streams`: the gaps between its responses."""
+
+    def __init__(self, cluster: Cluster, streams: int = 30) -> None:
+        self.gaps: list[float] = []
+        self.finished = 0
+        self._args = [sys.executable, "-c", _BYSTANDER, cluster.gateway.address, str(streams)]
+
+    def __enter__(self) -> Bystander:
+        self._process = subprocess.Popen(self._args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                         cwd=Path(__file__).parent.parent)
+        assert self._process.stdout is not None and self._process.stdout.readline() == "streaming\n"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        out, _ = self._process.communicate("stop\n", timeout=60)
+        assert self._process.returncode == 0
+        self.finished, self.gaps = json.loads(out)
+
+    @property
+    def p99(self) -> float:
+        return statistics.quantiles(self.gaps, n=100)[98]
+
+
+# The bystander process (no torch: it starts fast): says "streaming" at its first response, streams until a line
+# arrives on stdin (looked for between streams), then prints [streams finished, gaps].
+_BYSTANDER = """
+import json, select, sys, time
+from pdserve.client import stream
+gaps, finished = [], 0
+for n in range(int(sys.argv[2])):
+    last = None
+    for response in stream(sys.argv[1], 60, prompt="Tell me a story", max_tokens=200, ignore_eos=True,
+                           temperature=0, request_id=f"bystander-{n}"):
+        now = time.perf_counter()
+        if last is None and n == 0:
+            print("streaming", flush=True)
+        elif last is not None:
+            gaps.append(now - last)
+        last = now
+    finished += 1
+    if select.select([sys.stdin], [], [], 0)[0]:
+        break
+print(json.dumps([finished, gaps]))
+"""
+
+
+def _wait_idle(cluster: Cluster, within_s: float = 1.0) -> None:
+    deadline = time.monotonic() + within_s
+    while set(_live(cluster).values()) != {0}:
+        assert time.monotonic() < deadline, f"still live after {within_s} s: {_live(cluster)}"
+        time.sleep(0.02)
+
+
+BIG = [  # what used to run on the gateway's event loop before any size check (issue 21 item 5)
+    Entry("a prompt just under the body cap", _completion(prompt="x" * (MAX_BODY_BYTES - 100)), 400, "characters"),
+    Entry("a 3.9 MB gRPC prompt", _generate(prompt="x" * 3_900_000), "INVALID_ARGUMENT", "characters"),
+    Entry("an 8 MiB body", lambda c: post(c, b"{", declared_length=8 << 20), 413, "bytes"),
+    Entry("2,049 messages", _chat([USER] * (MAX_MESSAGES + 1)), 400, "2048"),
+    Entry("2,048 messages, rendered and tokenized", _chat([USER] * MAX_MESSAGES), 400, "tokens", TOKENIZED_S),
+    Entry("a prompt at the character bound, tokenized", _completion(prompt="ab " * 13_800), 400, "tokens",
+          TOKENIZED_S),
+]
+
+
+@pytest.mark.timeout(300)
+def test_big_requests_are_refused_at_once_while_a_bystander_keeps_its_pace(hostile: Cluster) -> None:
+    with Bystander(hostile, streams=2) as alone:
+        pass
+    with Bystander(hostile) as beside:
+        replies = [(entry, entry.send(hostile)) for _ in range(3) for entry in BIG]
+    wrong = [(entry.name, reply) for entry, reply in replies
+             if reply.status != entry.expect or entry.says not in reply.message or reply.seconds > entry.within_s]
+    assert not wrong, wrong
+    print(f"bystander p99 gap alone {alone.p99 * 1e3:.1f} ms, beside big requests {beside.p99 * 1e3:.1f} ms "
+          f"({beside.p99 / alone.p99:.2f}x); slowest refusal {max(r.seconds for _, r in replies) * 1e3:.0f} ms")
+    assert beside.p99 < 3 * alone.p99 + 0.02
+    _wait_idle(hostile)
+
+
+@pytest.mark.timeout(300)
+def test_the_hostile_corpus_gets_precise_statuses_fast_and_leaves_nothing_held(hostile: Cluster) -> None:
+    assert len({entry.name for entry in CORPUS}) == len(CORPUS) >= 30
+    # 1. the bystander alone
+    with Bystander(hostile, streams=2) as alone:
+        pass
+    # 2. the corpus, with the bystander streaming beside it
+    replies: dict[str, Reply] = {}
+    with Bystander(hostile) as beside:
+        for entry in CORPUS:
+            replies[entry.name] = entry.send(hostile)
+    # 3. every status as expected, in time; the bystander kept its pace
+    wrong = {entry.name: replies[entry.name] for entry in CORPUS
+             if replies[entry.name].status != entry.expect or entry.says not in replies[entry.name].message}
+    assert not wrong, wrong
+    slow = {entry.name: f"{replies[entry.name].seconds * 1e3:.0f} ms" for entry in CORPUS
+            if replies[entry.name].seconds > entry.within_s}
+    assert not slow, slow
+    fast = [replies[entry.name].seconds for entry in CORPUS if entry.within_s == 0.1]
+    print(f"{len(fast)} refusals due within 100 ms: slowest {max(fast) * 1e3:.0f} ms, median "
+          f"{statistics.median(fast) * 1e3:.1f} ms; tokenized ones: slowest "
+          f"{max(replies[e.name].seconds for e in CORPUS if e.within_s == TOKENIZED_S) * 1e3:.0f} ms")
+    print(f"bystander p99 gap alone {alone.p99 * 1e3:.1f} ms, beside the corpus {beside.p99 * 1e3:.1f} ms "
+          f"({beside.p99 / alone.p99:.2f}x) over {beside.finished} streams")
+    assert beside.p99 < 3 * alone.p99 + 0.02
+    # 4. leak check
+    _wait_idle(hostile)
+    assert_nothing_held(hostile)
