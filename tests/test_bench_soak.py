@@ -13,10 +13,6 @@ import pytest
 from bench.soak import KINDS
 
 DURATION_S = 20
-# Undecodable gRPC requests (invalid UTF-8 in a string field, bytes that are no protobuf) end UNKNOWN: grpcio
-# answers a request its deserializer refuses that way, before any pdserve code runs. Issue 21 wants
-# INVALID_ARGUMENT (tests/test_hostile_input.py); once the gateway gives it, drop this allowance.
-KNOWN_UNEXPECTED = {("grpc_invalid_utf8", "UNKNOWN"), ("grpc_not_protobuf", "UNKNOWN")}
 
 
 @pytest.fixture(scope="module")
@@ -89,5 +85,4 @@ def test_soak_samples_every_process_counts_every_status_and_drains(soak: tuple[d
 
 def test_soak_hostile_requests_get_their_precise_status(soak: tuple[dict[str, Any], int, Path]) -> None:
     result, _, _ = soak
-    surprises = {(u["kind"], u["outcome"]) for u in result["unexpected_examples"]} - KNOWN_UNEXPECTED
-    assert not surprises, [u for u in result["unexpected_examples"] if (u["kind"], u["outcome"]) in surprises]
+    assert not result["unexpected_examples"], result["unexpected_examples"]
