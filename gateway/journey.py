@@ -13,6 +13,7 @@ import random
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from opentelemetry import trace
@@ -67,6 +68,10 @@ class RetryPolicy:
     max_backoff_s: float = 1.0
     capacity_wait_s: float = 10.0  # how long a request waits for decode room before RESOURCE_EXHAUSTED
     capacity_poll_s: float = 0.02  # the first wait before asking again; it doubles up to 0.2 s
+    # A live decode worker answers a reservation in milliseconds and sends tokens every step (tens of ms, a
+    # second at worst on a loaded CPU); one silent this long where it owes the next event is taken for frozen
+    # (SIGSTOP, a hung kernel, a black-holed link) and the request moves on. None: wait as long as the call lasts.
+    idle_timeout_s: float | None = 5.0
 
     def delay(self, attempt: int) -> float:
         return random.uniform(0, min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)))
@@ -99,15 +104,50 @@ def _hop_error(exc: grpc.aio.AioRpcError, hop: str, worker: Worker) -> GatewayEr
                         retryable=exc.code() in _RETRYABLE)
 
 
+def _cancelled_here() -> bool:
+    """Whether this task is being cancelled: the request's own cancel. A CancelledError without it comes from a
+    worker call cancelled under the task (grpc.aio raises it when the call's channel is closed)."""
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
+
+
+def _channel_closed(hop: str, worker: Worker) -> GatewayError:
+    return GatewayError(grpc.StatusCode.UNAVAILABLE, f"{hop} worker {worker.address}: its channel was closed "
+                        "mid-call", worker, retryable=True)
+
+
+async def _read(call: grpc.aio.UnaryStreamCall, worker: Worker, hop: str) -> Any:
+    """The call's next event; a failed or closed call raises GatewayError, only the request's own cancel
+    raises CancelledError."""
+    try:
+        return await call.read()
+    except grpc.aio.AioRpcError as exc:
+        raise _hop_error(exc, hop, worker) from None
+    except asyncio.CancelledError:
+        if _cancelled_here():
+            raise
+        raise _channel_closed(hop, worker) from None
+
+
+def _finished_by(params: GenerateParams, sent: list[int], eos_token_ids: frozenset[int]) -> str:
+    """The finish reason the tokens sent already reached ("" if none): a stream that fails right after its last
+    token has nothing left to migrate, and a continuation past eos or with max_tokens = 0 must not start."""
+    if sent and not params.ignore_eos and sent[-1] in eos_token_ids:
+        return "stop"
+    return "length" if len(sent) >= params.max_tokens else ""
+
+
 async def run_with_failover(
     params: GenerateParams, prefill: Pool, decode: Pool, timings: Timings, deadline: float | None,
     colocated: bool, policy: RetryPolicy, pairs: PairBreakers | None = None,
+    eos_token_ids: frozenset[int] = frozenset(),
 ) -> AsyncGenerator[Tokens, None]:
     """`run`, retried on other workers when a worker fails, within the deadline (loop time) and the policy.
 
     Before any token reached the caller a failure is retried from the reservation on. After, the stream
     migrates: the tokens sent join the prompt, a new reservation and prefill take over, and the caller sees
-    one stream with no token repeated or missing."""
+    one stream with no token repeated or missing. A failure after the stream's last token (max_tokens reached,
+    or an eos in `eos_token_ids`) ends it with that finish instead."""
     loop = asyncio.get_running_loop()
     capacity_until, poll = loop.time() + policy.capacity_wait_s, policy.capacity_poll_s
     sent: list[int] = []
@@ -116,7 +156,8 @@ async def run_with_failover(
         attempt = params if not sent else params.continued(sent)
         timeout = None if deadline is None else max(0.0, deadline - loop.time())
         try:
-            async for tokens in run(attempt, prefill, decode, timings, timeout, colocated, frozenset(failed), pairs):
+            async for tokens in run(attempt, prefill, decode, timings, timeout, colocated, frozenset(failed), pairs,
+                                    policy.idle_timeout_s):
                 sent += tokens.token_ids
                 yield tokens
                 if tokens.finish_reason:
@@ -131,6 +172,12 @@ async def run_with_failover(
         except GatewayError as exc:
             if exc.worker is not None and exc.code == grpc.StatusCode.UNAVAILABLE:
                 exc.worker.failed()
+            # e.g. max_tokens=1: prefill's token was the whole answer, and decode failed before saying so
+            finish = _finished_by(params, sent, eos_token_ids)
+            if finish:
+                log.info("request %s: %s after its last token; finished (%s)", params.request_id, exc.message, finish)
+                yield Tokens([], finish)
+                return
             if not exc.retryable:
                 raise
             if sent:
@@ -156,26 +203,36 @@ async def run_with_failover(
 
 async def reserve(
     params: GenerateParams, pool: Pool, rpc_timeout: float | None, colocated: bool = False,
-    avoid: frozenset[str] = frozenset(),
+    avoid: frozenset[str] = frozenset(), idle_timeout_s: float | None = None,
 ) -> tuple[Worker, grpc.aio.UnaryStreamCall, decode_pb2.Reservation]:
     """Open a Generate call on the first decode worker with room; its first event is the reservation.
 
+    A worker that sends no reservation within `idle_timeout_s` is taken for frozen and the next one is asked:
+    when the healthy workers are full, the frozen one (tried last) must not hold the request forever.
     Colocated, the call carries the prompt and the decode worker prefills it itself."""
     request = decode_pb2.DecodeRequest(
         request_id=params.request_id, prompt_tokens=len(params.prompt_ids), max_tokens=params.max_tokens,
         sampling=sampling_to_pb(params.sampling), ignore_eos=params.ignore_eos,
         prompt_token_ids=params.prompt_ids if colocated else [])
-    refusals = []
+    refusals: list[tuple[grpc.StatusCode, str]] = []
     for worker in pool.in_turn(avoid):
         call = worker.stub.Generate(request, timeout=rpc_timeout, metadata=tracing.outgoing())
         try:
-            event = await call.read()
+            event = await asyncio.wait_for(call.read(), idle_timeout_s)
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
                 raise _hop_error(exc, "decode", worker) from None
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 worker.failed()
-            refusals.append(exc)
+            refusals.append((exc.code(), exc.details() or ""))
+            continue
+        except (TimeoutError, asyncio.CancelledError) as exc:
+            if isinstance(exc, asyncio.CancelledError) and _cancelled_here():
+                raise
+            call.cancel()
+            worker.failed()
+            refusals.append((grpc.StatusCode.UNAVAILABLE, f"{worker.address}: " + (
+                f"no reservation within {idle_timeout_s:g} s" if isinstance(exc, TimeoutError) else "channel closed")))
             continue
         worker.succeeded()
         if event is grpc.aio.EOF or event.WhichOneof("event") != "reserved":
@@ -183,32 +240,41 @@ async def reserve(
             raise GatewayError(grpc.StatusCode.INTERNAL, f"decode worker {worker.address} sent no reservation",
                                worker, retryable=True)
         return worker, call, event.reserved
-    if any(exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for exc in refusals):
+    if any(code == grpc.StatusCode.RESOURCE_EXHAUSTED for code, _ in refusals):
         raise NoDecodeCapacity(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                "no decode capacity: every decode worker is full; retry later")
     raise GatewayError(grpc.StatusCode.UNAVAILABLE,
-                       "no decode worker reachable: " + "; ".join(e.details() or "" for e in refusals), retryable=True)
+                       "no decode worker reachable: " + "; ".join(details for _, details in refusals), retryable=True)
 
 
 async def run(
     params: GenerateParams, prefill: Pool, decode: Pool, timings: Timings, rpc_timeout: float | None,
     colocated: bool = False, avoid: frozenset[str] = frozenset(), pairs: PairBreakers | None = None,
+    idle_timeout_s: float | None = None,
 ) -> AsyncGenerator[Tokens, None]:
     """The request's tokens, one attempt. Colocated, one decode worker does both phases: no prefill call, no KV
-    transfer. Workers in `avoid` (addresses that failed this request before) are tried last."""
+    transfer. Workers in `avoid` (addresses that failed this request before) are tried last. A decode worker
+    silent for `idle_timeout_s` mid-stream fails the attempt (UNAVAILABLE), so the stream migrates.
+
+    Each worker's `calls` counts this attempt's call on it while it lasts: a worker that left the pool keeps
+    its channel open until they end (Pool.refresh)."""
     pairs = pairs or PairBreakers()
     started = time.perf_counter()
-    decode_worker, decode_call, reservation = await reserve(params, decode, rpc_timeout, colocated, avoid)
+    decode_worker, decode_call, reservation = await reserve(params, decode, rpc_timeout, colocated, avoid,
+                                                            idle_timeout_s)
     timings.reserve_ms = (time.perf_counter() - started) * 1e3
+    decode_worker.calls += 1
     if colocated:
         timings.kv_transport = "colocated"
         try:
-            async for tokens in _decoded(decode_call, decode_worker, None):
+            async for tokens in _decoded(decode_call, decode_worker, None, idle_timeout_s=idle_timeout_s,
+                                         first_unbounded=True):
                 yield tokens
                 if tokens.finish_reason:
                     break
         finally:
             decode_call.cancel()
+            decode_worker.calls -= 1
         return
     # a prefill worker whose path to this decode worker failed lately goes last, like a failed worker
     broken = frozenset(w.address for w in prefill.workers if pairs.is_open(w.address, decode_worker.address))
@@ -217,7 +283,9 @@ async def run(
         request_id=params.request_id, token_ids=params.prompt_ids, sampling=sampling_to_pb(params.sampling),
         decode_address=kv_address(decode_worker.address, reservation.kv_port), reservation_token=reservation.token,
         shm_segment=reservation.shm_segment), timeout=rpc_timeout, metadata=tracing.outgoing())
-    transfer: asyncio.Future[prefill_pb2.TransferDone] | None = None
+    prefill_worker.calls += 1
+    transfer: asyncio.Future[prefill_pb2.PrefillEvent] | None = None
+    decode_read: asyncio.Future | None = None
     try:
         prefill_worker.prefilling_tokens += len(params.prompt_ids)  # its load, for routing, until the first token
         try:
@@ -230,7 +298,7 @@ async def run(
             timings.cached_tokens = first.first_token.cached_tokens
         yield Tokens([first.first_token.token_id])
         transfer = asyncio.ensure_future(_prefill_event(prefill_call, prefill_worker, "transfer_done"))
-        async for tokens in _decoded(decode_call, decode_worker, transfer, decode_read):
+        async for tokens in _decoded(decode_call, decode_worker, transfer, decode_read, idle_timeout_s):
             if tokens.finish_reason and transfer is not None:
                 # The last response carries the timing. Decode finished, so it acknowledged the KV and prefill's
                 # report has arrived or is on its way: wait for it briefly (a busy prefill worker can lag), and
@@ -251,8 +319,11 @@ async def run(
     finally:
         decode_call.cancel()
         prefill_call.cancel()
-        if transfer is not None:
-            transfer.cancel()
+        for read in (transfer, decode_read):  # reads of the calls just cancelled, if still pending
+            if read is not None:
+                read.cancel()
+        decode_worker.calls -= 1
+        prefill_worker.calls -= 1
 
 
 async def _first_token(
@@ -263,28 +334,23 @@ async def _first_token(
     reservation's lease may end, and the client must see decode's DEADLINE_EXCEEDED, not the refusal of a
     transfer that comes too late. Returns the first-token event and decode's pending (or finished) read."""
     first = asyncio.ensure_future(_prefill_event(prefill_call, prefill_worker, "first_token"))
-    decode_read = asyncio.ensure_future(decode_call.read())
-    await asyncio.wait([first, decode_read], return_when=asyncio.FIRST_COMPLETED)
-    if not first.done() and decode_read.exception() is not None:
-        first.cancel()
-        exc = decode_read.exception()
-        if not isinstance(exc, grpc.aio.AioRpcError):
-            raise exc  # type: ignore[misc]
-        error = _hop_error(exc, "decode", decode_worker)
-        error.suspects = (prefill_worker.address,)  # the KV never came: the prefill worker or its link is as likely
-        raise error
+    decode_read = asyncio.ensure_future(_read(decode_call, decode_worker, "decode"))
     try:
+        await asyncio.wait([first, decode_read], return_when=asyncio.FIRST_COMPLETED)
+        if not first.done() and decode_read.exception() is not None:
+            exc = decode_read.exception()
+            if isinstance(exc, GatewayError):
+                exc.suspects = (prefill_worker.address,)  # the KV never came: the prefill worker or its link too
+            raise exc  # type: ignore[misc]
         return await first, decode_read  # decode's tokens may come first by a hair; prefill's token still follows
     except BaseException:
+        first.cancel()
         decode_read.cancel()
         raise
 
 
 async def _prefill_event(call: grpc.aio.UnaryStreamCall, worker: Worker, kind: str) -> prefill_pb2.PrefillEvent:
-    try:
-        event = await call.read()
-    except grpc.aio.AioRpcError as exc:
-        raise _hop_error(exc, "prefill", worker) from None
+    event = await _read(call, worker, "prefill")
     if event is grpc.aio.EOF or event.WhichOneof("event") != kind:
         raise GatewayError(grpc.StatusCode.INTERNAL, f"prefill worker {worker.address} did not send {kind}", worker,
                            retryable=True)
@@ -303,24 +369,43 @@ def _record_transfer(timings: Timings, event: prefill_pb2.PrefillEvent) -> None:
 
 async def _decoded(
     call: grpc.aio.UnaryStreamCall, worker: Worker, transfer: asyncio.Future | None,
-    read: asyncio.Future | None = None,
+    read: asyncio.Future | None = None, idle_timeout_s: float | None = None, first_unbounded: bool = False,
 ) -> AsyncIterator[Tokens]:
     """Decode's token events; while the KV transfer is still open, a prefill failure ends the stream at once.
 
-    `read` is a call.read() already under way; `transfer` is None for a colocated request."""
+    `read` is a _read() of the call already under way; `transfer` is None for a colocated request. Once the KV
+    is in (the transfer done, or none), the worker must send each event within `idle_timeout_s`; colocated
+    (`first_unbounded`), the first tokens wait for the worker's own prefill, which may queue: only keepalive
+    bounds that wait."""
+    bounded = not first_unbounded
     while True:
-        read = read or asyncio.ensure_future(call.read())
-        if transfer is not None and not transfer.done():
-            await asyncio.wait([read, transfer], return_when=asyncio.FIRST_COMPLETED)
-            if transfer.done() and transfer.exception() is not None:
-                read.cancel()
-                raise transfer.exception()  # type: ignore[misc]
+        read = read or asyncio.ensure_future(_read(call, worker, "decode"))
         try:
-            event = await read
-        except grpc.aio.AioRpcError as exc:
-            raise _hop_error(exc, "decode", worker) from None
+            await _next_event(read, transfer, worker, idle_timeout_s if bounded else None)
+        except BaseException:
+            read.cancel()
+            raise
+        event = read.result()
         if event is grpc.aio.EOF:
             raise GatewayError(grpc.StatusCode.INTERNAL, f"decode worker {worker.address} ended without finishing",
                                worker, retryable=True)
-        read = None
+        read, bounded = None, True
         yield Tokens(list(event.tokens.token_ids), event.tokens.finish_reason)
+
+
+async def _next_event(read: asyncio.Future, transfer: asyncio.Future | None, worker: Worker,
+                      idle_timeout_s: float | None) -> None:
+    """Wait for `read` to finish. A failed transfer fails it at once; once the transfer is done, `read` has
+    `idle_timeout_s` to finish, or the worker is taken for frozen."""
+    transferring = transfer is not None and not transfer.done()
+    while transferring and not read.done():
+        assert transfer is not None
+        await asyncio.wait([read, transfer], return_when=asyncio.FIRST_COMPLETED)
+        transferring = not transfer.done()
+        if not transferring and not transfer.cancelled() and transfer.exception() is not None:
+            raise transfer.exception()  # type: ignore[misc]
+    if not read.done():
+        await asyncio.wait([read], timeout=idle_timeout_s)
+    if not read.done():
+        raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"decode worker {worker.address} sent nothing for "
+                           f"{idle_timeout_s:g} s mid-stream: taken for frozen", worker, retryable=True)

@@ -48,7 +48,7 @@ from gateway.request import (
     max_prompt_chars,
     parse_request,
 )
-from gateway.workers import PairBreakers, Pool, check_pairing
+from gateway.workers import Keepalive, PairBreakers, Pool, check_pairing
 from model_runner.loading import DEFAULT_MODEL, resolve_model
 from pdserve import logs, serving, tracing
 from pdserve.metrics import Metrics
@@ -73,6 +73,7 @@ class GatewayConfig:
     api_key_file: str = ""  # API keys, one per line (also PDSERVE_API_KEYS); none: no key needed
     served_model_name: str = ""  # the model's name in the HTTP API; default: the model directory's name
     prefix_balance_tokens: int = 2048  # prefix-aware routing's leeway in queued tokens; -1 = by load alone
+    keepalive: Keepalive = Keepalive()  # pings on every worker channel
     http_body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # an HTTP body that takes longer to arrive gets 408
 
     def __post_init__(self) -> None:
@@ -82,6 +83,8 @@ class GatewayConfig:
             raise ValueError(f"--colocate-below {self.colocate_below}: must be >= 0")
         if self.retry.max_retries < 0 or self.retry.max_migrations < 0 or self.retry.backoff_s < 0:
             raise ValueError("--max-retries, --max-migrations and --retry-backoff must be >= 0")
+        if self.retry.idle_timeout_s is not None and self.retry.idle_timeout_s <= 0:
+            raise ValueError(f"--idle-timeout {self.retry.idle_timeout_s}: must be > 0 (0 turns it off)")
         admission = self.admission
         if admission.max_in_flight < 1 or admission.max_queue < 0 or admission.queue_timeout_s < 0:
             raise ValueError("--max-in-flight must be >= 1, --max-queue and --queue-timeout >= 0")
@@ -104,7 +107,9 @@ class GatewayConfig:
         return cls(server=server_config(args), prefill=_split(args.prefill), decode=_split(args.decode),
                    model=args.model, startup_timeout_s=args.startup_timeout_s, colocate_below=args.colocate_below,
                    retry=RetryPolicy(max_retries=args.max_retries, max_migrations=args.max_migrations,
-                                     backoff_s=args.retry_backoff_s, capacity_wait_s=args.queue_timeout_s),
+                                     backoff_s=args.retry_backoff_s, capacity_wait_s=args.queue_timeout_s,
+                                     idle_timeout_s=args.idle_timeout_s or None),
+                   keepalive=Keepalive(args.keepalive_s, args.keepalive_timeout_s),
                    admission=AdmissionConfig(max_in_flight=args.max_in_flight, max_queue=args.max_queue,
                                              queue_timeout_s=args.queue_timeout_s),
                    poll_interval_s=args.poll_interval_s, http_port=args.http_port, api_key_file=args.api_key_file,
@@ -142,6 +147,16 @@ class GatewayConfig:
         group.add_argument("--retry-backoff", type=float, default=RetryPolicy.backoff_s, dest="retry_backoff_s",
                            help="first wait before a retry, seconds; doubles each time, with jitter "
                            "(default: %(default)s)")
+        group.add_argument("--idle-timeout", type=float, default=RetryPolicy.idle_timeout_s, dest="idle_timeout_s",
+                           help="seconds a decode worker may stay silent where it owes the next event (a "
+                           "reservation, the next tokens once its KV is in) before it is taken for frozen: the "
+                           "request goes to another worker, a stream migrates; 0 turns it off (default: %(default)s)")
+        group.add_argument("--keepalive", type=float, default=Keepalive.time_s, dest="keepalive_s",
+                           help="seconds between HTTP/2 pings on each worker channel (default: %(default)s)")
+        group.add_argument("--keepalive-timeout", type=float, default=Keepalive.timeout_s,
+                           dest="keepalive_timeout_s",
+                           help="seconds a worker has to answer a ping before its connection is closed and its "
+                           "calls fail over (default: %(default)s)")
         group.add_argument("--poll-interval", type=float, default=0.5, dest="poll_interval_s",
                            help="seconds between reads of each worker's health and load, which pick the least "
                            "loaded worker and route around draining ones (default: %(default)s)")
@@ -165,6 +180,9 @@ class GatewayConfig:
                            help="seconds to wait for every worker to answer (default: %(default)s)")
 
 
+_CANCEL_CALL = "request was cancelled by a Cancel call"  # the message a Cancel call cancels a handler's task with
+
+
 def _split(values: list[str]) -> list[str]:
     return [part.strip() for value in values for part in value.split(",") if part.strip()]
 
@@ -176,6 +194,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.tokenizer = tokenizer
         self.keys = keys or ApiKeys()
         self.model = model
+        self.eos_token_ids = frozenset(model.eos_token_ids)
         self.prefill = prefill
         self.decode = decode
         self.colocate_below = colocate_below
@@ -201,25 +220,42 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         "pdserve_e2e_request_latency_seconds": "request arrival to its last token",
                         "pdserve_queue_time_seconds": "time waiting for a place at the gateway"})
 
-    async def Generate(
-        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        # Writes with context.write rather than as an async generator: a Cancel call that lands while a write
+        # waits on a slow client must land here, where the client can still be sent a status; from an async
+        # generator, grpc.aio awaits the write in its own frame and the handler would end with no status at all.
         metadata = context.invocation_metadata()
         if not self.keys.allows(metadata):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, self.keys.refusal)
         remaining = context.time_remaining()
         deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
+        task = asyncio.current_task()
+        assert task is not None
         try:
-            async for response in self.stream(request, deadline, metadata):
-                yield response
+            async with contextlib.aclosing(self.stream(request, deadline, metadata)) as responses:
+                async for response in responses:
+                    await context.write(response)
         except RequestFailed as exc:
             hint = (("retry-after-ms", str(exc.retry_after_ms)),) if exc.retry_after_ms else ()
             await context.abort(exc.code, exc.message, trailing_metadata=hint)
+        except asyncio.CancelledError as exc:
+            # Only the client's own cancel, disconnect or deadline (grpc.aio cancels this task for them) may leave
+            # the handler with CancelledError: that client is gone. Any other cancel still owes it a status.
+            by_cancel_call = exc.args == (_CANCEL_CALL,)  # landed in a write; elsewhere _handle made it RequestFailed
+            if task.cancelling() and not by_cancel_call:
+                raise
+            if task.cancelling():
+                task.uncancel()
+            if by_cancel_call:
+                self.metrics.count("pdserve_cancellations")
+                await context.abort(grpc.StatusCode.CANCELLED, _CANCEL_CALL)
+            # not this task's cancel: a worker call cancelled under it that the journey did not catch
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "a worker call was cancelled under the request")
 
     async def stream(
         self, request: gateway_pb2.GenerateRequest, deadline: float | None,
         metadata: Iterable[tuple[str, str | bytes]] | Mapping[str, str] | None = None,
-    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
         """One request's responses, whatever the transport (gRPC here, HTTP in openai_api.py): traced, counted
         and logged the same way. Ends with RequestFailed when the request is refused or fails; cancelling the
         caller's task cancels it on every worker. `deadline` is on the event loop's clock; `metadata` may carry
@@ -331,7 +367,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if task is None or task.done() or request.request_id in self._cancelled:
             return gateway_pb2.CancelResponse(cancelled=False)
         self._cancelled.add(request.request_id)
-        task.cancel()  # unwinds the journey exactly as a client cancel does: both worker calls are cancelled
+        # unwinds the journey exactly as a client cancel does: both worker calls are cancelled
+        task.cancel(_CANCEL_CALL)
         return gateway_pb2.CancelResponse(cancelled=True)
 
     async def _generate(
@@ -344,7 +381,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # aclosing: a stop string ends the loop early, and the journey must cancel its worker calls right then
         colocated = not self.prefill.workers or len(params.prompt_ids) < self.colocate_below
         journey_ = journey.run_with_failover(params, self.prefill, self.decode, timings, deadline, colocated,
-                                             self.retry, self.pairs)
+                                             self.retry, self.pairs, self.eos_token_ids)
         async with contextlib.aclosing(journey_) as pieces:
             async for tokens in pieces:
                 generated += len(tokens.token_ids)
@@ -385,8 +422,9 @@ async def serve(config: GatewayConfig) -> None:
     # the event loop within 1 ms instead of the default 5, and streams keep their pace beside a long conversation.
     sys.setswitchinterval(0.001)
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, resolve_model(config.model))
-    prefill = Pool("prefill", config.prefill, tls=config.server.tls, prefix_balance_tokens=config.prefix_balance_tokens)
-    decode = Pool("decode", config.decode, tls=config.server.tls)
+    prefill = Pool("prefill", config.prefill, tls=config.server.tls, prefix_balance_tokens=config.prefix_balance_tokens,
+                   keepalive=config.keepalive)
+    decode = Pool("decode", config.decode, tls=config.server.tls, keepalive=config.keepalive)
     await asyncio.gather(prefill.fetch_info(config.startup_timeout_s), decode.fetch_info(config.startup_timeout_s))
     model = check_pairing(prefill, decode)
     max_prompt_chars(tokenizer, model.max_model_len)  # its vocabulary scan holds the GIL ~20 ms: now, not in a request

@@ -24,6 +24,31 @@ from protos import decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Keepalive:
+    """HTTP/2 keepalive on every worker channel: a ping every `time_s`, and a peer that does not answer within
+    `timeout_s` (a frozen process, a black-holed link) has its connection closed, so its calls fail with
+    UNAVAILABLE instead of waiting forever. Pings go out with or without calls and however long no data moved
+    (a first token can wait long in a prefill queue). The workers must accept pings this often."""
+
+    time_s: float = 20.0  # as the workers ping their own idle peers (pdserve/serving.py)
+    timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.time_s <= 0 or self.timeout_s <= 0:
+            raise ValueError(f"--keepalive {self.time_s} and --keepalive-timeout {self.timeout_s}: must be > 0")
+
+    def options(self) -> list[tuple[str, int]]:
+        timeout_ms = int(self.timeout_s * 1000)
+        return [("grpc.keepalive_time_ms", int(self.time_s * 1000)),
+                ("grpc.keepalive_timeout_ms", timeout_ms),
+                # grpcio 1.85 waits this long for a keepalive ping's ack, whatever keepalive_timeout_ms says
+                # (default 60 s; a frozen peer was found only after it, measured)
+                ("grpc.http2.ping_timeout_ms", timeout_ms),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.max_pings_without_data", 0)]  # default 2: a read-only stream would stop pinging
+
+
 BREAKER_OPEN_S = 1.0  # a failed worker is tried last for this long, doubling per consecutive failure
 BREAKER_MAX_OPEN_S = 30.0
 
@@ -45,6 +70,7 @@ class Worker:
     serving: bool = True  # its health check says SERVING (False while it drains or is unreachable)
     picked: int = 0  # requests sent its way since `info` was read: the load the next poll will show
     prefilling_tokens: int = 0  # prefill: prompt tokens this gateway sent that have no first token yet
+    calls: int = 0  # request calls open on its channel (journey.run counts them)
 
     def load(self) -> tuple[float, ...]:
         """Lower is better. Decode: running and reserved sequences, then the share of the KV budget in use.
@@ -143,8 +169,9 @@ class Pool:
     pool's model) and dropping workers that are gone."""
 
     def __init__(self, role: str, addresses: list[str], resolver: Resolver = resolve, tls: TLS | None = None,
-                 prefix_balance_tokens: int = -1) -> None:
+                 prefix_balance_tokens: int = -1, keepalive: Keepalive = Keepalive()) -> None:
         self.role = role
+        self.keepalive = keepalive
         # Prefill pools: requests go to the worker most likely to hold their prefix while its queue is within
         # this many tokens of the least loaded worker's; -1: by load alone.
         self.prefix_balance_tokens = prefix_balance_tokens
@@ -152,6 +179,7 @@ class Pool:
         self.names = addresses
         self._resolver = resolver
         self.workers: list[Worker] = []
+        self.leaving: list[Worker] = []  # workers gone from DNS whose calls still run: channels closed once done
         self.fingerprint = ""  # the model every worker must serve, once known
         self._turn = itertools.count()
         self._resolved: dict[str, list[str]] = {}  # name -> the addresses it last resolved to
@@ -161,7 +189,7 @@ class Pool:
 
     def _worker(self, address: str) -> Worker:
         stub_class = prefill_pb2_grpc.PrefillStub if self.role == "prefill" else decode_pb2_grpc.DecodeStub
-        channel = aio_channel(address, self.tls, MESSAGE_LIMITS, expect=self.role)
+        channel = aio_channel(address, self.tls, MESSAGE_LIMITS + self.keepalive.options(), expect=self.role)
         return Worker(address, channel, stub_class(channel), health=health_pb2_grpc.HealthStub(channel))
 
     def _resolve(self) -> list[str]:
@@ -183,7 +211,11 @@ class Pool:
         return addresses
 
     async def refresh(self) -> None:
-        """Re-resolve the pool's names: new addresses join (serving once polled), vanished ones leave."""
+        """Re-resolve the pool's names: new addresses join (serving once polled), vanished ones leave.
+
+        A worker that leaves takes no new requests, but its channel stays open while requests still stream on it
+        (as gRPC and Envoy drain): closing it would cut them. A worker gone for real fails them (UNAVAILABLE, or
+        silent past the idle timeout) and they migrate; one only out of DNS (scaled down, rolled) finishes them."""
         current = {w.address: w for w in self.workers}
         wanted = self._resolve()
         for address in wanted:
@@ -196,8 +228,17 @@ class Pool:
             if address not in wanted and len(self.workers) > 1:
                 self.workers.remove(worker)
                 self.prefixes.forget(address)
-                await worker.channel.close()
-                log.info("%s worker %s left the pool", self.role, address)
+                self.leaving.append(worker)
+                log.info("%s worker %s left the pool%s", self.role, address,
+                         f"; its channel closes once its {worker.calls} calls end" if worker.calls else "")
+        await self._close_left()
+
+    async def _close_left(self) -> None:
+        """Close the channels of workers that left the pool once no call runs on them."""
+        done = [worker for worker in self.leaving if not worker.calls]
+        self.leaving = [worker for worker in self.leaving if worker.calls]
+        for worker in done:
+            await worker.channel.close()
 
     def in_turn(self, avoid: frozenset[str] = frozenset(), prompt: Sequence[int] = ()) -> list[Worker]:
         """Every worker once, best first: not in `avoid` (addresses that failed this request), serving, breaker
@@ -236,6 +277,7 @@ class Pool:
             if loop.time() - resolved_at >= resolve_every_s:
                 await self.refresh()
                 resolved_at = loop.time()
+            await self._close_left()
             await asyncio.gather(*(self._poll_one(w, every_s) for w in list(self.workers)))
             await asyncio.sleep(every_s)
 
@@ -293,7 +335,7 @@ class Pool:
                             worker.address)
 
     async def close(self) -> None:
-        for worker in self.workers:
+        for worker in self.workers + self.leaving:
             await worker.channel.close()
 
 
