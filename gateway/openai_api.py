@@ -41,6 +41,11 @@ MAX_BODY_BYTES = 1 << 20
 # Seconds the whole body may take to arrive once the headers have: a slowloris client trickling it holds a
 # connection, never more, and only this long. 1 MiB arrives in 30 s at 280 kbit/s.
 DEFAULT_BODY_TIMEOUT_S = 30.0
+# An HTTP request's deadline: OpenAI clients send none (their timeout is their own), and a request without one could
+# wait forever on a worker that hangs in a way no other timer catches. Ten minutes covers any generation this
+# gateway serves (a full 8k context at 50 ms a token is under 7 minutes); Envoy's default route timeout (15 s)
+# would cut long streams.
+DEFAULT_HTTP_DEADLINE_S = 600.0
 
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
@@ -144,9 +149,12 @@ def _failed(exc: RequestFailed) -> web.Response:
 
 
 class OpenAIServer:
-    def __init__(self, servicer: Any, model_name: str, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
-        """`servicer`: the GatewayServicer whose `stream`, `tokenizer`, `keys` and `model` it uses."""
+    def __init__(self, servicer: Any, model_name: str, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+                 deadline_s: float = DEFAULT_HTTP_DEADLINE_S) -> None:
+        """`servicer`: the GatewayServicer whose `stream`, `tokenizer`, `keys` and `model` it uses. `deadline_s`:
+        every HTTP request's deadline (HTTP clients send none; without one a request could wait forever)."""
         self.servicer, self.model_name, self.body_timeout_s = servicer, model_name, body_timeout_s
+        self.deadline_s = deadline_s
         self.created = int(time.time())
         app = web.Application(middlewares=[self._errors_and_keys], client_max_size=MAX_BODY_BYTES)
         app.router.add_get("/v1/models", self.models)
@@ -206,7 +214,8 @@ class OpenAIServer:
             code = "model_not_found" if exc.status == 404 else "invalid_parameter"
             return error(exc.status, exc.message, param=exc.param, code=code)
         headers = {key.lower(): value for key, value in request.headers.items()}  # traceparent, if sent
-        responses = self.servicer.stream(generate, None, headers)
+        deadline = asyncio.get_running_loop().time() + self.deadline_s
+        responses = self.servicer.stream(generate, deadline, headers)
         async with contextlib.aclosing(responses):
             try:  # the first response decides the status: a refusal is an HTTP error, not a stream
                 first = await anext(responses)

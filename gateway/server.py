@@ -38,7 +38,7 @@ from gateway.admission import Admission, AdmissionConfig, Overloaded
 from gateway.auth import ApiKeys
 from gateway.detokenizer import TextStream
 from gateway.journey import GatewayError, RetryPolicy, Timings
-from gateway.openai_api import DEFAULT_BODY_TIMEOUT_S, OpenAIServer
+from gateway.openai_api import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HTTP_DEADLINE_S, OpenAIServer
 from gateway.request import (
     GenerateParams,
     InvalidRequest,
@@ -75,6 +75,7 @@ class GatewayConfig:
     prefix_balance_tokens: int = 2048  # prefix-aware routing's leeway in queued tokens; -1 = by load alone
     keepalive: Keepalive = Keepalive()  # pings on every worker channel
     http_body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # an HTTP body that takes longer to arrive gets 408
+    http_deadline_s: float = DEFAULT_HTTP_DEADLINE_S  # an HTTP request not done by then ends with 504
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -94,6 +95,8 @@ class GatewayConfig:
             raise ValueError(f"--http-port {self.http_port}: expected -1 (off) or 0..65535")
         if not self.http_body_timeout_s > 0:
             raise ValueError(f"--http-body-timeout {self.http_body_timeout_s}: must be > 0")
+        if not self.http_deadline_s > 0:
+            raise ValueError(f"--http-deadline {self.http_deadline_s}: must be > 0")
         if self.api_key_file and not os.path.isfile(self.api_key_file):
             raise ValueError(f"--api-key-file {self.api_key_file}: no such file")
         ApiKeys.load(self.api_key_file)  # a key file or PDSERVE_API_KEYS holding no key must not turn auth off
@@ -114,7 +117,7 @@ class GatewayConfig:
                                              queue_timeout_s=args.queue_timeout_s),
                    poll_interval_s=args.poll_interval_s, http_port=args.http_port, api_key_file=args.api_key_file,
                    served_model_name=args.served_model_name, prefix_balance_tokens=args.prefix_balance_tokens,
-                   http_body_timeout_s=args.http_body_timeout_s)
+                   http_body_timeout_s=args.http_body_timeout_s, http_deadline_s=args.http_deadline_s)
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
@@ -174,6 +177,10 @@ class GatewayConfig:
         group.add_argument("--http-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
                            dest="http_body_timeout_s",
                            help="seconds an HTTP request's body may take to arrive before 408 (default: %(default)s)")
+        group.add_argument("--http-deadline", type=float, default=DEFAULT_HTTP_DEADLINE_S, dest="http_deadline_s",
+                           help="seconds an HTTP request may run in all, as a gRPC client's deadline does; past it the "
+                           "request ends with 504 (or an error event, when streaming) and frees every worker "
+                           "(default: %(default)s)")
         group.add_argument("--served-model-name", default="",
                            help="the model's name in the HTTP API (default: the model directory's name)")
         group.add_argument("--startup-timeout", type=float, default=300.0, dest="startup_timeout_s",
@@ -430,7 +437,8 @@ async def serve(config: GatewayConfig) -> None:
     max_prompt_chars(tokenizer, model.max_model_len)  # its vocabulary scan holds the GIL ~20 ms: now, not in a request
     servicer = GatewayServicer(tokenizer, model, prefill, decode, config.colocate_below, config.retry,
                                config.admission, ApiKeys.load(config.api_key_file))
-    http = OpenAIServer(servicer, config.served_model_name or _model_name(config.model), config.http_body_timeout_s)
+    http = OpenAIServer(servicer, config.served_model_name or _model_name(config.model), config.http_body_timeout_s,
+                        config.http_deadline_s)
     announce = {}
     if config.http_port >= 0:
         announce["http"] = await http.start(config.server.host, config.http_port)

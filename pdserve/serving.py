@@ -28,12 +28,16 @@ MAX_MESSAGE_BYTES = 8 << 20  # KV chunks are 768 KiB by default, 4 MiB at most; 
 MESSAGE_LIMITS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 # Keepalive on the server side: ping an idle connection every 20 s and drop it when no answer comes in 10 s (a
-# frozen or vanished peer), and accept the clients' own keepalive pings down to every 5 s: gRPC's default
-# answers a client that pings more often than every 5 minutes with GOAWAY ("too_many_pings").
+# frozen or vanished peer; grpcio waits `ping_timeout_ms` for the ack, whatever keepalive_timeout_ms says), and
+# accept the clients' own keepalive pings down to every 5 s: gRPC's default answers a client that pings more often
+# than every 5 minutes with GOAWAY ("too_many_pings").
 SERVER_KEEPALIVE = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000),
-                    ("grpc.keepalive_permit_without_calls", 1),
-                    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-                    ("grpc.http2.max_ping_strikes", 0)]
+                    ("grpc.http2.ping_timeout_ms", 10_000), ("grpc.keepalive_permit_without_calls", 1),
+                    ("grpc.http2.min_ping_interval_without_data_ms", 5_000), ("grpc.http2.max_ping_strikes", 0)]
+# The same pings on the channels one worker opens to another (prefill's KV pushes to decode).
+CHANNEL_KEEPALIVE = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000),
+                     ("grpc.http2.ping_timeout_ms", 10_000), ("grpc.keepalive_permit_without_calls", 1),
+                     ("grpc.http2.max_pings_without_data", 0)]
 WATCHDOG_PERIOD_S = 1.0
 WORKER_ROLES = ("prefill", "decode")
 

@@ -43,7 +43,14 @@ from model_runner.prefix_cache import PrefixCache
 from model_runner.sampling import SamplingParams
 from pdserve import logs, serving, tracing
 from pdserve.metrics import Metrics
-from pdserve.serving import MAX_MESSAGE_BYTES, MESSAGE_LIMITS, ServerConfig, add_server_args, server_config
+from pdserve.serving import (
+    CHANNEL_KEEPALIVE,
+    MAX_MESSAGE_BYTES,
+    MESSAGE_LIMITS,
+    ServerConfig,
+    add_server_args,
+    server_config,
+)
 from pdserve.tls import aio_channel, require_peer
 from protos import prefill_pb2, prefill_pb2_grpc, worker_pb2
 from protos.convert import model_info, sampling_from_pb
@@ -336,7 +343,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = aio_channel(address, self.config.server.tls, MESSAGE_LIMITS, expect="decode")
+            options = [*MESSAGE_LIMITS, *CHANNEL_KEEPALIVE]
+            self._channels[address] = aio_channel(address, self.config.server.tls, options, expect="decode")
         return self._channels[address]
 
     async def GetInfo(
