@@ -4,10 +4,15 @@ Keys come from `PDSERVE_API_KEYS` (comma-separated) or `--api-key-file` (one per
 which any user of the host could read in the process list. No keys: every caller is let in. But a key file, or a
 set PDSERVE_API_KEYS, that holds no key is refused at start-up: an empty secret (a mount gone wrong, a typo)
 would otherwise turn authentication off without a word. Keys are compared in constant time and never logged.
+
+Each key is a tenant: request ids are scoped to the key that sent them (`tenant`), so a Cancel with one key never
+reaches another key's request, cannot tell whether another key's id exists, and two keys may use the same id at
+once. Without keys every caller is one tenant.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 from collections.abc import Iterable, Mapping
@@ -42,13 +47,20 @@ class ApiKeys:
 
     def allows(self, metadata: Iterable[tuple[str, str | bytes]] | Mapping[str, str] | None) -> bool:
         """Whether the caller's `authorization` header (gRPC metadata pairs or HTTP headers) holds a key."""
-        if not self._keys:
-            return True
+        return not self._keys or self._matching(metadata) is not None
+
+    def tenant(self, metadata: Iterable[tuple[str, str | bytes]] | Mapping[str, str] | None) -> str:
+        """Who owns the request ids this caller names: a digest of its key; "" without keys (one tenant)."""
+        key = self._matching(metadata) if self._keys else None
+        return "" if key is None else hashlib.sha256(b"pdserve-tenant\0" + key).hexdigest()[:16]
+
+    def _matching(self, metadata: Iterable[tuple[str, str | bytes]] | Mapping[str, str] | None) -> bytes | None:
         pairs = metadata.items() if isinstance(metadata, Mapping) else (metadata or ())
         header = next((value for key, value in pairs if key.lower() == "authorization"), "")
         text = header.decode() if isinstance(header, bytes) else header
         scheme, _, offered = text.partition(" ")
         if scheme.lower() != "bearer" or not offered:
-            return False
+            return None
         candidate = offered.strip().encode()
-        return any(hmac.compare_digest(candidate, key) for key in self._keys)
+        matches = [key for key in self._keys if hmac.compare_digest(candidate, key)]  # every key, constant time
+        return matches[0] if matches else None

@@ -208,9 +208,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.retry = retry
         self.admission = Admission(admission)
         self.pairs = PairBreakers()
-        self._in_flight: set[str] = set()
-        self._tasks: dict[str, asyncio.Task | None] = {}  # request id -> its Generate handler, for Cancel
-        self._cancelled: set[str] = set()  # request ids that Cancel ended
+        # Request ids are scoped to their tenant (auth.ApiKeys.tenant): keys are (tenant, request id).
+        self._in_flight: set[tuple[str, str]] = set()
+        self._tasks: dict[tuple[str, str], asyncio.Task | None] = {}  # -> its Generate handler, for Cancel
+        self._cancelled: set[tuple[str, str]] = set()  # ids that Cancel ended
         self.metrics = Metrics(
             gauges={"pdserve_live_requests": ("requests in flight at the gateway, queued ones included",
                                               lambda: len(self._in_flight)),
@@ -274,7 +275,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             generated = 0
             arrived = last = time.perf_counter()
             try:
-                async for response in self._handle(request, deadline, arrived):
+                async for response in self._handle(request, deadline, arrived, self.keys.tenant(metadata)):
                     now = time.perf_counter()
                     if not generated:
                         span.add_event("first token")
@@ -314,7 +315,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                  timing.retries, timing.migrations)
 
     async def _handle(
-        self, request: gateway_pb2.GenerateRequest, deadline: float | None, arrived: float
+        self, request: gateway_pb2.GenerateRequest, deadline: float | None, arrived: float, tenant: str
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         try:
             params = await parse_request(request, self.tokenizer, self.model.vocab_size, self.model.max_model_len)
@@ -322,10 +323,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         trace.get_current_span().set_attribute("pdserve.request_id", params.request_id)
         logs.for_request(params.request_id)
-        if params.request_id in self._in_flight:
+        owned = tenant, params.request_id
+        if owned in self._in_flight:
             raise RequestFailed(grpc.StatusCode.ALREADY_EXISTS, f"request_id {params.request_id!r} is in flight")
-        self._in_flight.add(params.request_id)
-        self._tasks[params.request_id] = asyncio.current_task()
+        self._in_flight.add(owned)
+        self._tasks[owned] = asyncio.current_task()
         self.metrics.count("pdserve_requests")
         timings = Timings()
         try:
@@ -349,15 +351,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise RequestFailed(exc.code, exc.message, retry_after_ms) from None
         except asyncio.CancelledError:
             self.metrics.count("pdserve_cancellations")
-            if params.request_id in self._cancelled:  # Cancel, not the client: the client gets a status
+            if owned in self._cancelled:  # Cancel, not the client: the client gets a status
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
                 raise RequestFailed(grpc.StatusCode.CANCELLED,
                                     f"request {params.request_id!r} was cancelled by a Cancel call") from None
             raise
         finally:
-            self._in_flight.discard(params.request_id)
-            self._tasks.pop(params.request_id, None)
-            self._cancelled.discard(params.request_id)
+            self._in_flight.discard(owned)
+            self._tasks.pop(owned, None)
+            self._cancelled.discard(owned)
             self.metrics.count("pdserve_retries", timings.retries)
             self.metrics.count("pdserve_migrations", timings.migrations)
 
@@ -370,10 +372,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
-        task = self._tasks.get(request.request_id)
-        if task is None or task.done() or request.request_id in self._cancelled:
+        # Only the caller's own requests: another tenant's id looks exactly like one that does not exist.
+        owned = self.keys.tenant(context.invocation_metadata()), request.request_id
+        task = self._tasks.get(owned)
+        if task is None or task.done() or owned in self._cancelled:
             return gateway_pb2.CancelResponse(cancelled=False)
-        self._cancelled.add(request.request_id)
+        self._cancelled.add(owned)
         # unwinds the journey exactly as a client cancel does: both worker calls are cancelled
         task.cancel(_CANCEL_CALL)
         return gateway_pb2.CancelResponse(cancelled=True)
