@@ -389,7 +389,7 @@ def test_a_cancel_landing_while_the_gateway_waits_to_write_to_a_slow_client_stil
                 while not await decode_idle():
                     assert time.monotonic() < deadline, f"decode still busy: {infos}"
                     await asyncio.sleep(0.05)
-                assert "slow" in servicer._in_flight
+                assert ("", "slow") in servicer._in_flight  # (tenant, request id); no API keys: one tenant
                 # 2. Cancel lands there.
                 cancelled = await gateway_pb2_grpc.GatewayStub(other).Cancel(
                     gateway_pb2.CancelRequest(request_id="slow"), timeout=10)
