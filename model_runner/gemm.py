@@ -9,11 +9,20 @@ The kernel is compiled on first use, not on import, and cached in torch's extens
 built, on other devices, and with PDSERVE_GEMM=torch, F.linear serves instead (not batch invariant).
 PDSERVE_GEMM=avx512 keeps the kernel but leaves out its AVX512-BF16 instructions, and =portable its AVX-512 code
 too: the code older CPUs run. PDSERVE_GEMM is read when a weight is packed; the weight keeps that choice.
+
+Prompt GEMMs (`prompt=True`: many rows, compute-bound) on CPUs with AMX-BF16 go to oneDNN's AMX kernels instead,
+6-13x faster than the kernel above at prompt shapes (docs/kernels.md, "Prompt GEMMs on AMX"). They stay batch and
+chunk invariant: every call multiplies exactly PROMPT_ROWS rows (the last block zero-padded), so a row's bits
+depend only on the row, never on how many rows came with it or where it sits in its block (tested). Each bfloat16
+weight then has a second copy, reordered for oneDNN. PDSERVE_PROMPT_GEMM=kernel keeps prompts on the kernel.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +35,7 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _MODES = ("auto", "torch", "avx512", "portable")
 _POSTS = ("none", "silu", "mul", "add")
 BLOCK = 16  # outputs per block of the packed layout
+PROMPT_ROWS = 64  # rows in every oneDNN call of a prompt GEMM: a multiple of AMX's 16-row tiles
 
 
 @dataclass(frozen=True)
@@ -36,6 +46,7 @@ class PackedWeight:
     out_features: int
     in_features: int
     mode: str | None  # the kernel's PDSERVE_GEMM mode (auto, avx512, portable); None: data is (N, K) for F.linear
+    prompt: torch.Tensor | None = None  # the weight reordered for oneDNN's AMX kernels, for prompt GEMMs
 
     @property
     def blocked(self) -> bool:
@@ -65,7 +76,10 @@ def pack(weight: torch.Tensor) -> PackedWeight:
     else:
         padded = F.pad(weight, (0, 0, 0, blocks * BLOCK - n))
         data = padded.view(blocks, BLOCK, k).transpose(1, 2)  # (blocks, K, 16)
-    return PackedWeight(data.contiguous(), n, k, mode)
+    prompt = None
+    if weight.dtype == torch.bfloat16 and amx_prompts():
+        prompt = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PROMPT_ROWS)
+    return PackedWeight(data.contiguous(), n, k, mode, prompt)
 
 
 def unpack(w: PackedWeight) -> torch.Tensor:
@@ -80,11 +94,13 @@ def unpack(w: PackedWeight) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, *, post: str = "none",
-           other: torch.Tensor | None = None) -> torch.Tensor:
+           other: torch.Tensor | None = None, prompt: bool = False) -> torch.Tensor:
     """x (M, K) in w's dtype (rows may be strided; a last dim that isn't contiguous is copied) -> (M, N):
     x @ W.T + bias, then per `post`: "none", "silu" (silu(y)), "mul" (y * other) or "add" (y + other), other
     (M, N) with its last dim contiguous. Sums, bias and post-op in float32, rounded once to the output dtype.
-    bias (N,) and other may be float32 or w's dtype."""
+    bias (N,) and other may be float32 or w's dtype. `prompt`: a prompt pass's GEMM (AMX where there is one)."""
+    if prompt and w.prompt is not None and x.is_cpu and x.dtype == torch.bfloat16:
+        return _prompt_linear(x, w, bias, post, other)
     if w.mode is not None and x.is_cpu and x.dtype == w.data.dtype:  # (is_cpu: x.device costs ~0.3 us)
         out: torch.Tensor = torch.ops.pdserve_gemm.linear(x, w.data, w.out_features, bias, post, other, w.mode)
         return out
@@ -105,6 +121,48 @@ def reference_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None
             raise ValueError(f"post={post!r} needs other")
         return y * other if post == "mul" else y + other
     return y
+
+
+_ONEDNN_POSTS = {"none": "none", "silu": "swish"}
+
+
+def _prompt_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, post: str,
+                   other: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN (AMX) in blocks of exactly PROMPT_ROWS rows; the post-op fused where oneDNN has it, else after."""
+    rows = x.shape[0]
+    bias = None if bias is None else bias.to(torch.bfloat16)
+    out = torch.empty(rows, w.out_features, dtype=x.dtype)
+    for start in range(0, rows, PROMPT_ROWS):
+        block = x[start : start + PROMPT_ROWS]
+        taken = block.shape[0]
+        if taken < PROMPT_ROWS:  # the same call shape for every block: a row's bits never depend on its company
+            block = F.pad(block, (0, 0, 0, PROMPT_ROWS - taken))
+        if post in _ONEDNN_POSTS:
+            y = torch.ops.mkldnn._linear_pointwise(block.contiguous(), w.prompt, bias, _ONEDNN_POSTS[post], [], "")
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(block.contiguous(), w.prompt, bias, "none", [], "")
+        out[start : start + taken] = y[:taken]
+    if post in ("mul", "add"):
+        if other is None:
+            raise ValueError(f"post={post!r} needs other")
+        if post == "mul":
+            out *= other
+        else:
+            out += other
+    return out
+
+
+@functools.cache
+def amx_prompts() -> bool:
+    """Whether prompt GEMMs go to oneDNN's AMX kernels: a CPU with AMX-BF16, oneDNN in torch, and
+    PDSERVE_PROMPT_GEMM not "kernel"."""
+    if os.environ.get("PDSERVE_PROMPT_GEMM", "auto") == "kernel" or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " amx_bf16" in flags and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
 def load_kernel() -> bool:

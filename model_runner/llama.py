@@ -62,19 +62,19 @@ class Linear:
     def nbytes(self) -> int:
         return self.weight.nbytes
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return gemm.linear(x, self.weight, self.bias)
+    def __call__(self, x: torch.Tensor, prompt: bool = False) -> torch.Tensor:
+        return gemm.linear(x, self.weight, self.bias, prompt=prompt)
 
-    def silu(self, x: torch.Tensor) -> torch.Tensor:
-        return gemm.linear(x, self.weight, self.bias, post="silu")
+    def silu(self, x: torch.Tensor, prompt: bool = False) -> torch.Tensor:
+        return gemm.linear(x, self.weight, self.bias, post="silu", prompt=prompt)
 
-    def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    def times(self, x: torch.Tensor, other: torch.Tensor, prompt: bool = False) -> torch.Tensor:
         """(x @ W.T) * other"""
-        return gemm.linear(x, self.weight, self.bias, post="mul", other=other)
+        return gemm.linear(x, self.weight, self.bias, post="mul", other=other, prompt=prompt)
 
-    def plus(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    def plus(self, x: torch.Tensor, other: torch.Tensor, prompt: bool = False) -> torch.Tensor:
         """(x @ W.T) + other: a residual add"""
-        return gemm.linear(x, self.weight, self.bias, post="add", other=other)
+        return gemm.linear(x, self.weight, self.bias, post="add", other=other, prompt=prompt)
 
 
 @dataclass
@@ -174,13 +174,14 @@ class LlamaRunner:
             mask = torch.ones(width, start + width, dtype=torch.bool, device=self.device).tril(start)
         for index, layer in enumerate(self.layers):
             h = torch.rms_norm(x, (x.shape[-1],), layer.input_norm, self.eps)
-            qkv = layer.qkv(h).view(batch, width, -1)
+            qkv = layer.qkv(h, prompt=True).view(batch, width, -1)
             q, k = _rope(qkv, self.q_size + self.kv_size, cos, sin, self.head_dim)
             q = q[:, :, : self.num_heads].transpose(1, 2)  # (B, Hq, T, D)
             k = k[:, :, self.num_heads :].transpose(1, 2)  # (B, Hkv, T, D)
             v = qkv[..., self.q_size + self.kv_size :].view(batch, width, self.num_kv_heads, self.head_dim)
             keys, values = cache.update(k.contiguous(), v.transpose(1, 2).contiguous(), index)
-            x = layer.o.plus(self._prompt_attention(q, keys, values, lengths, start, mask).view(tokens, -1), x)
+            attention = self._prompt_attention(q, keys, values, lengths, start, mask).view(tokens, -1)
+            x = layer.o.plus(attention, x, prompt=True)
             x = self._mlp(layer, x)
         rows = torch.tensor([row * width + length - 1 for row, length in enumerate(lengths)], device=self.device)
         return self._logits(x[rows])
@@ -231,12 +232,12 @@ class LlamaRunner:
             out[row, :length] = one[0].transpose(0, 1).reshape(length, -1)
         return out
 
-    def _mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:  # prompt passes only
         h = torch.rms_norm(x, (x.shape[-1],), layer.post_norm, self.eps)
-        return layer.down.plus(layer.up.times(h, layer.gate.silu(h)), x)
+        return layer.down.plus(layer.up.times(h, layer.gate.silu(h, True), True), x, True)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(torch.rms_norm(x, (x.shape[-1],), self.norm, self.eps))
+        return self.lm_head(torch.rms_norm(x, (x.shape[-1],), self.norm, self.eps), prompt=True)
 
 
 def _rope(qkv: torch.Tensor, width: int, cos: torch.Tensor, sin: torch.Tensor,

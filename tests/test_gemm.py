@@ -222,3 +222,22 @@ def test_rounds_to_nearest_even(path: str) -> None:
     rounded = bias.to(torch.bfloat16).expand(3, -1)
     assert torch.equal(out[:, :10].view(torch.int16), rounded[:, :10].view(torch.int16))
     assert out[:, 10].isnan().all() and torch.equal(out[:, 11:], rounded[:, 11:])
+
+
+@pytest.mark.skipif(not gemm.amx_prompts(), reason="prompt GEMMs go to oneDNN's AMX kernels only on CPUs with AMX")
+@pytest.mark.parametrize("post", ["none", "silu", "mul", "add"])
+def test_prompt_gemms_on_amx_give_a_row_the_same_bits_in_any_company(post: str) -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(200, 96).bfloat16()
+    packed = gemm.pack(weight)
+    x, other = torch.randn(150, 96).bfloat16(), torch.randn(150, 200).bfloat16()
+    bias = torch.randn(200).bfloat16()
+
+    def rows(start: int, end: int) -> torch.Tensor:
+        return gemm.linear(x[start:end], packed, bias, post=post, other=other[start:end], prompt=True)
+
+    whole = rows(0, 150)
+    for start, end in ((7, 150), (0, 1), (64, 65), (100, 137), (3, 70)):  # other counts, other block positions
+        assert torch.equal(rows(start, end), whole[start:end]), (start, end)
+    expected = gemm.reference_linear(x, packed, bias, post=post, other=other)
+    assert torch.allclose(whole.float(), expected.float(), rtol=0.05, atol=0.1 * expected.float().abs().max().item())
