@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 PORT ?= 50051
 HTTP_PORT ?= 8000
 
-.PHONY: install protos run test test-fast fuzz bench lint clean
+.PHONY: install protos run test test-fast test-deploy fuzz bench lint clean
 
 install: $(INSTALLED) protos
 
@@ -38,6 +38,12 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# The compose cluster in containers, with podman: setup.sh installs podman and builds the image (each step once;
+# state in .pdserve/deploy/), then six checks against the containers (docs/deploy.md). Not part of `make test`.
+test-deploy: install
+	deploy/podman/setup.sh
+	$(PY) -m pytest -v -s -p no:cacheprovider deploy/podman/test_compose_cluster.py $(PYTEST_ARGS)
 
 # The fuzz tests at length: many random examples per front door (make test runs 60 each, derandomized).
 fuzz: install

@@ -1,0 +1,5 @@
+# Source from the repository's root: podman as deploy/podman/setup.sh configures it, and podman-compose beside it.
+#   source deploy/podman/env.sh && podman ps && podman-compose -f deploy/docker-compose.yml ps
+DEPLOY_STATE="$PWD/.pdserve/deploy"
+export CONTAINERS_CONF="$DEPLOY_STATE/containers.conf"
+export PATH="$DEPLOY_STATE/tools/bin:$PATH"
