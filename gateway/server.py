@@ -25,7 +25,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncGenerator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,6 +190,10 @@ class GatewayConfig:
 _CANCEL_CALL = "request was cancelled by a Cancel call"  # the message a Cancel call cancels a handler's task with
 
 
+class _CancelCall(Exception):
+    """A Cancel call that waited for the handler's write to finish (Gateway.Generate)."""
+
+
 def _split(values: list[str]) -> list[str]:
     return [part.strip() for value in values for part in value.split(",") if part.strip()]
 
@@ -212,6 +216,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._in_flight: set[tuple[str, str]] = set()
         self._tasks: dict[tuple[str, str], asyncio.Task | None] = {}  # -> its Generate handler, for Cancel
         self._cancelled: set[tuple[str, str]] = set()  # ids that Cancel ended
+        # Generate handlers inside context.write -> whether a Cancel is waiting for that write to finish
+        self._writing: dict[asyncio.Task, bool] = {}
         self.metrics = Metrics(
             gauges={"pdserve_live_requests": ("requests in flight at the gateway, queued ones included",
                                               lambda: len(self._in_flight)),
@@ -229,9 +235,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         "pdserve_queue_time_seconds": "time waiting for a place at the gateway"})
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
-        # Writes with context.write rather than as an async generator: a Cancel call that lands while a write
-        # waits on a slow client must land here, where the client can still be sent a status; from an async
-        # generator, grpc.aio awaits the write in its own frame and the handler would end with no status at all.
+        # Writes with context.write rather than as an async generator, so that a Cancel call never interrupts a
+        # write: cancelled mid-write, the write's operation stays pending in gRPC core, which then refuses the
+        # status (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS) and the client waits forever. A Cancel that finds the
+        # handler writing is deferred until the write is done (self._writing); anywhere else it cancels the task
+        # at once and _handle turns that into a CANCELLED status.
         metadata = context.invocation_metadata()
         if not self.keys.allows(metadata):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, self.keys.refusal)
@@ -242,21 +250,25 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             async with contextlib.aclosing(self.stream(request, deadline, metadata)) as responses:
                 async for response in responses:
-                    await context.write(response)
+                    self._writing[task] = False
+                    try:
+                        await context.write(response)
+                    finally:
+                        cancel_deferred = self._writing.pop(task)
+                    if cancel_deferred:
+                        raise _CancelCall
         except RequestFailed as exc:
             hint = (("retry-after-ms", str(exc.retry_after_ms)),) if exc.retry_after_ms else ()
             await context.abort(exc.code, exc.message, trailing_metadata=hint)
-        except asyncio.CancelledError as exc:
+        except _CancelCall:  # the stream above is closed: its worker calls are cancelled
+            self.metrics.count("pdserve_cancellations")
+            log.info("ended with CANCELLED: %s, once its write was done", _CANCEL_CALL)
+            await context.abort(grpc.StatusCode.CANCELLED, _CANCEL_CALL)
+        except asyncio.CancelledError:
             # Only the client's own cancel, disconnect or deadline (grpc.aio cancels this task for them) may leave
             # the handler with CancelledError: that client is gone. Any other cancel still owes it a status.
-            by_cancel_call = exc.args == (_CANCEL_CALL,)  # landed in a write; elsewhere _handle made it RequestFailed
-            if task.cancelling() and not by_cancel_call:
-                raise
             if task.cancelling():
-                task.uncancel()
-            if by_cancel_call:
-                self.metrics.count("pdserve_cancellations")
-                await context.abort(grpc.StatusCode.CANCELLED, _CANCEL_CALL)
+                raise
             # not this task's cancel: a worker call cancelled under it that the journey did not catch
             await context.abort(grpc.StatusCode.UNAVAILABLE, "a worker call was cancelled under the request")
 
@@ -275,20 +287,23 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             generated = 0
             arrived = last = time.perf_counter()
             try:
-                async for response in self._handle(request, deadline, arrived, self.keys.tenant(metadata)):
-                    now = time.perf_counter()
-                    if not generated:
-                        span.add_event("first token")
-                        self.metrics.observe("pdserve_time_to_first_token_seconds", now - arrived)
-                    elif response.token_ids:  # tokens that arrive together share the gap
-                        self.metrics.observe("pdserve_inter_token_latency_seconds",
-                                             (now - last) / len(response.token_ids), len(response.token_ids))
-                    last = now
-                    generated += len(response.token_ids)
-                    self.metrics.count("pdserve_generation_tokens", len(response.token_ids))
-                    if response.finish_reason:
-                        self._finished(response, now - arrived, generated)
-                    yield response
+                # aclosing: closed early (a stop string, a deferred Cancel), the journey's calls end now, not at GC
+                handle = self._handle(request, deadline, arrived, self.keys.tenant(metadata))
+                async with contextlib.aclosing(handle) as responses:
+                    async for response in responses:
+                        now = time.perf_counter()
+                        if not generated:
+                            span.add_event("first token")
+                            self.metrics.observe("pdserve_time_to_first_token_seconds", now - arrived)
+                        elif response.token_ids:  # tokens that arrive together share the gap
+                            self.metrics.observe("pdserve_inter_token_latency_seconds",
+                                                 (now - last) / len(response.token_ids), len(response.token_ids))
+                        last = now
+                        generated += len(response.token_ids)
+                        self.metrics.count("pdserve_generation_tokens", len(response.token_ids))
+                        if response.finish_reason:
+                            self._finished(response, now - arrived, generated)
+                        yield response
             except asyncio.CancelledError:
                 phase = "decoding" if generated else "before first token"
                 span.add_event("cancelled", {"pdserve.phase": phase, "pdserve.tokens_sent": generated})
@@ -316,7 +331,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def _handle(
         self, request: gateway_pb2.GenerateRequest, deadline: float | None, arrived: float, tenant: str
-    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
         try:
             params = await parse_request(request, self.tokenizer, self.model.vocab_size, self.model.max_model_len)
         except InvalidRequest as exc:
@@ -378,8 +393,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if task is None or task.done() or owned in self._cancelled:
             return gateway_pb2.CancelResponse(cancelled=False)
         self._cancelled.add(owned)
-        # unwinds the journey exactly as a client cancel does: both worker calls are cancelled
-        task.cancel(_CANCEL_CALL)
+        if task in self._writing:  # never mid-write (see Generate): the handler ends the request once it is done
+            self._writing[task] = True
+        else:  # unwinds the journey exactly as a client cancel does: both worker calls are cancelled
+            task.cancel(_CANCEL_CALL)
         return gateway_pb2.CancelResponse(cancelled=True)
 
     async def _generate(

@@ -407,6 +407,70 @@ def test_a_cancel_landing_while_the_gateway_waits_to_write_to_a_slow_client_stil
     asyncio.run(scenario())
 
 
+class _Aborted(Exception):
+    pass
+
+
+@dataclass
+class _WriteGate:
+    """A servicer context whose second write stays in progress until `release` is set: where grpc.aio's write
+    waits on gRPC core. Cancelling the handler there left the write's operation pending in core, which then
+    refused the status (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS): the client waited forever (1 stream in 400
+    Cancels of a soak). The handler must therefore never be cancelled mid-write."""
+
+    writing: asyncio.Event = field(default_factory=asyncio.Event)
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+    writes: list[str] = field(default_factory=list)  # "done" or "interrupted", one per write
+    status: tuple[grpc.StatusCode, str] | None = None
+
+    def invocation_metadata(self) -> tuple[()]:
+        return ()
+
+    def time_remaining(self) -> None:
+        return None
+
+    async def write(self, response: gateway_pb2.GenerateResponse) -> None:
+        if len(self.writes) == 1:
+            self.writing.set()
+            try:
+                await self.release.wait()
+            except asyncio.CancelledError:
+                self.writes.append("interrupted")
+                raise
+        self.writes.append("done")
+
+    async def abort(self, code: grpc.StatusCode, details: str, trailing_metadata: Any = ()) -> None:
+        self.status = code, details
+        raise _Aborted
+
+
+def test_a_cancel_never_interrupts_a_write_and_ends_the_request_once_the_write_is_done(
+    workers: Cluster, tiny_model_dir: Path,
+) -> None:
+    async def scenario() -> None:
+        async with _gateway(workers, tiny_model_dir) as (servicer, _):
+            context = _WriteGate()
+            request = gateway_pb2.GenerateRequest(request_id="mid-write", prompt=PROMPT, max_tokens=100,
+                                                  temperature=0.0, ignore_eos=True)
+            handler = asyncio.ensure_future(servicer.Generate(request, context))  # type: ignore[arg-type]
+            await asyncio.wait_for(context.writing.wait(), 30)
+            # the Cancel lands while the second response is being written: acknowledged, deferred
+            reply = await servicer.Cancel(gateway_pb2.CancelRequest(request_id="mid-write"), context)  # type: ignore[arg-type]
+            assert reply.cancelled
+            await asyncio.sleep(0.2)
+            assert not handler.done() and context.writes == ["done"]
+            # the write finishes; the handler then ends the request with CANCELLED, writing nothing more
+            context.release.set()
+            with pytest.raises(_Aborted):
+                await asyncio.wait_for(handler, 10)
+            assert context.writes == ["done", "done"]
+            assert context.status == (grpc.StatusCode.CANCELLED, "request was cancelled by a Cancel call")
+            assert not servicer._in_flight and not servicer._tasks and not servicer._writing
+        assert_nothing_held(workers)
+
+    asyncio.run(scenario())
+
+
 def test_a_decode_worker_leaving_dns_finishes_its_streams_and_one_rolled_away_hands_them_over(
     workers: Cluster, tiny_model_dir: Path,
 ) -> None:
