@@ -64,7 +64,8 @@ class Admission:
         turn: asyncio.Future[None] = loop.create_future()
         self._waiting.append(turn)
         try:
-            await asyncio.wait_for(asyncio.shield(turn), timeout)
+            async with asyncio.timeout(timeout):  # not wait_for, which may swallow a cancel (journey.reserve)
+                await asyncio.shield(turn)
         except TimeoutError:
             if turn.done():  # handed a place just as the wait ended: give it back to the next in line
                 self._leave()

@@ -218,7 +218,10 @@ async def reserve(
     for worker in pool.in_turn(avoid):
         call = worker.stub.Generate(request, timeout=rpc_timeout, metadata=tracing.outgoing())
         try:
-            event = await asyncio.wait_for(call.read(), idle_timeout_s)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns a result that is ready when the task
+            # is cancelled, and a Cancel call acknowledged here would let the request run to its end
+            async with asyncio.timeout(idle_timeout_s):
+                event = await call.read()
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
                 raise _hop_error(exc, "decode", worker) from None
