@@ -130,15 +130,14 @@ def _wait_until_serving(cluster: Cluster, deadline_s: float) -> None:
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     ports = {name: free_port() for name in ("GRPC", "HTTP", "METRICS")}
-    os.environ.update({f"PDSERVE_{name}_PORT": str(port) for name, port in ports.items()})
-    ENV.update({f"PDSERVE_{name}_PORT": str(port) for name, port in ports.items()})
+    ENV.update({f"PDSERVE_{name}_PORT": str(port) for name, port in ports.items()}, PDSERVE_PUBLISH_IP="127.0.0.1")
     assert not containers(running_only=False), "a pdserve compose project is already up: podman-compose down first"
     cluster = Cluster(f"127.0.0.1:{ports['GRPC']}", f"http://127.0.0.1:{ports['HTTP']}",
                       f"http://127.0.0.1:{ports['METRICS']}/metrics", segments())
     say("Jaeger swapped for deploy/podman/otlp_receiver.py (no Jaeger image here): compose.test.yml")
     started = time.monotonic()
-    compose("up", "-d", "--no-build", "--scale", "decode=2")
     try:
+        compose("up", "-d", "--no-build")
         _wait_until_serving(cluster, deadline_s=300)
         say(f"up and serving in {time.monotonic() - started:.0f} s: {', '.join(containers())}")
         yield cluster
@@ -161,7 +160,8 @@ def test_1_a_completion_streams_over_grpc_and_openai_http(cluster: Cluster) -> N
     # decode lent a segment in the shared /dev/shm volume and prefill, in its own container, wrote the KV into it
     assert timing.kv_transport == "shm"
 
-    body = json.dumps({"prompt": PROMPT, "max_tokens": 16, "stream": True}).encode()
+    # ignore_eos: the instruct model often ends its turn at once after a bare prompt
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 16, "stream": True, "ignore_eos": True}).encode()
     request = urllib.request.Request(f"{cluster.http}/v1/completions", body, {"Content-Type": "application/json"})
     chunks = []
     with urllib.request.urlopen(request, timeout=120) as response:
@@ -226,8 +226,12 @@ def _decoding() -> str:
 
 
 def test_4_a_stream_whose_decode_container_is_killed_migrates_to_the_other_replica(cluster: Cluster) -> None:
-    fields: dict[str, object] = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0.9, "seed": 7,
-                                 "ignore_eos": True}
+    # Greedy, on a prompt the model continues with confidence: a migrated request's sent tokens are prefilled
+    # again, which rounds differently (README, known limits), and where two tokens are nearly tied (the story
+    # prompt, after the model's end of turn) greedy decoding picked another one at token 34 of 200 here. Counting
+    # has no near ties, so the tokens must be the undisturbed run's, none lost or repeated.
+    fields: dict[str, object] = {"prompt": "Count: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 200,
+                                 "temperature": 0.0, "ignore_eos": True}
     expected = [t for r in stream(cluster.grpc, timeout=300, **fields) for t in r.token_ids]
     assert len(expected) == 200
     received: list[int] = []
@@ -246,7 +250,7 @@ def test_4_a_stream_whose_decode_container_is_killed_migrates_to_the_other_repli
     cluster.seen["migrations"] = final.timing.migrations
     assert final.finish_reason == "length" and final.usage.completion_tokens == 200
     assert final.timing.migrations == 1
-    assert received == expected  # seeded sampling is keyed by position: the continuation picks the same tokens
+    assert received == expected  # no token lost or repeated
     assert metric(scrape(cluster.metrics), "pdserve_migrations_total") == 1
 
 
