@@ -1,11 +1,12 @@
 """Causal attention over a prompt (prefill), with grouped-query heads and an optional cached prefix.
 
-On CPUs with AVX-512 a C++ kernel (csrc/prefill_attention.cpp) does the work for float32 and bfloat16 with head
-dims that are multiples of 64; it is compiled on first use, not on import, and cached in torch's extension
-directory. Elsewhere (other CPUs, head dims, devices and dtypes, no compiler) and with
-PDSERVE_PREFILL_ATTENTION=torch, torch's scaled_dot_product_attention serves instead.
-PDSERVE_PREFILL_ATTENTION=avx512 keeps the kernel but leaves out its AVX512-BF16 instructions, and =portable
-runs its scalar loops (any CPU, any head dim; for tests: many times slower than SDPA).
+On x86-64 CPUs with AVX-512, or with AVX2 and FMA, a C++ kernel (csrc/prefill_attention.cpp) does the work for
+float32 and bfloat16 with head dims that are multiples of 64; it is compiled on first use, not on import, and
+cached in torch's extension directory. Elsewhere (other CPUs, head dims, devices and dtypes, no compiler) and
+with PDSERVE_PREFILL_ATTENTION=torch, torch's scaled_dot_product_attention serves instead.
+PDSERVE_PREFILL_ATTENTION=avx512 keeps the kernel but leaves out its AVX512-BF16 instructions, =avx2 runs its
+8-lane float32 path, and =portable runs its scalar loops (any CPU, any head dim; for tests: many times slower
+than SDPA).
 
 The kernel's output row t is a function of q_t and keys 0..start+t alone (its key tiles sit at fixed absolute
 positions), so a prompt attended whole or in chunks (start > 0) gives the same bits.
@@ -24,7 +25,7 @@ from model_runner import kernels
 KERNEL = kernels.Kernel("prefill_attention.cpp", "prefill attention kernel", "torch SDPA",
                         cflags=("-ffp-contract=off",))
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-_MODES = ("auto", "torch", "avx512", "portable")
+_MODES = ("auto", "torch", "avx512", "avx2", "portable")
 _ENV = "PDSERVE_PREFILL_ATTENTION"
 
 
@@ -59,7 +60,7 @@ def load_kernel() -> bool:
 
 
 def kernel_path(head_dim: int, dtype: torch.dtype) -> str:
-    """Which code serves a CPU call: "avx512_bf16" (bfloat16 dot products), "avx512", "portable" (only when
+    """Which code serves a CPU call: "avx512_bf16" (bfloat16 dot products), "avx512", "avx2" (float32 8-lane vectors), "portable" (only when
     asked for: scalar loops, far slower than SDPA) or "torch"."""
     mode = _mode()
     if mode == "torch" or dtype not in _KERNEL_DTYPES or not KERNEL.load():

@@ -28,7 +28,10 @@
 // products, the softmax on them, then the weighted values summed into kRows x 64 dims of accumulators in
 // registers (D = 128 in two passes).
 //
-// The AVX-512 code is compiled by function attribute and chosen at run time, so one cached build runs on any
+// CPUs with AVX2 and FMA but no AVX-512 run a float32 path of 8-lane vectors (block_avx2): one query row at a
+// time over the same tiles and the same lazy online softmax, keys and values packed as for float32 above.
+//
+// The vector code is compiled by function attribute and chosen at run time, so one cached build runs on any
 // x86-64 CPU; others (and other architectures, head dims that are not multiples of 64) run the portable loops.
 
 #include <ATen/Parallel.h>
@@ -51,6 +54,7 @@
 #define PDS_HAVE_AVX512 1
 #define PDS_AVX512 __attribute__((target("avx512f,fma")))
 #define PDS_AVX512_BF16 __attribute__((target("avx512f,avx512bf16,fma")))
+#define PDS_AVX2 __attribute__((target("avx2,fma")))
 #define PDS_INLINE inline __attribute__((always_inline))
 #else
 #define PDS_HAVE_AVX512 0
@@ -452,7 +456,7 @@ bool cpu_has_avx512_bf16() {
 // Packing: each kv head's keys and values, tile by tile, zero past the sequence (the buffers start zeroed; those
 // keys are always masked, and their zero values keep 0 * value exactly 0).
 
-enum class Path { kPortable, kAvx512, kAvx512Bf16 };
+enum class Path { kPortable, kAvx2, kAvx512, kAvx512Bf16 };
 
 struct Packed {
   Path path;
@@ -555,13 +559,150 @@ void block_avx512(const Problem<T>& p, const Packed& pk, int64_t kvh, const Rows
 
 #endif  // PDS_HAVE_AVX512
 
+#if PDS_HAVE_AVX512  // x86-64 with GCC or Clang: the AVX2 code too
+
+// 2^x on 8 lanes for x <= kLazy, as fast_exp2<5>: the same polynomial, then times 2^n built in the exponent
+// bits (n >= -100 after the clamp: no denormal).
+PDS_AVX2 PDS_INLINE __m256 exp2_avx2(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-100.f));
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(x, n);
+  __m256 p = _mm256_set1_ps(1.3264708791e-03f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6715114712e-03f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5507337765e-02f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022242104e-01f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314697759e-01f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// All ones in the lanes of keys key0 + 8 b + lane <= pos.
+PDS_AVX2 PDS_INLINE __m256 visible_avx2(int64_t key0, int b, int64_t pos) {
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const int32_t limit = static_cast<int32_t>(std::min<int64_t>(pos - key0 - 8 * b, kTile));
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(std::max<int32_t>(limit, -1) + 1), lanes));
+}
+
+PDS_AVX2 PDS_INLINE float hmax_avx2(__m256 x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+PDS_AVX2 PDS_INLINE float hsum_avx2(__m256 x) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_add_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+constexpr int kVecs8 = kTile / 8;  // 8-lane vectors of scores per tile
+
+// One query row against one tile (float32 keys (D, kTile), values (kTile, D)): its scores, the lazy online
+// softmax (as online_softmax does for a row), and the weighted values into acc (D floats). max: the row's
+// running max in raw dot-product units; sum: 8 lane sums.
+PDS_AVX2 void row_tile_avx2(const float* q, int64_t pos, const float* kt, const float* vt, int64_t key0, int64_t D,
+                            float c, float* weights, float& max, float* sum, float* acc) {
+  const bool masked = key0 + kTile - 1 > pos;
+  const int needed = masked ? static_cast<int>(std::min<int64_t>(kVecs8, (pos - key0) / 8 + 1)) : kVecs8;
+  __m256 s[kVecs8];
+  for (int b = 0; b < kVecs8; ++b) s[b] = _mm256_setzero_ps();
+  for (int64_t e = 0; e < D; ++e) {  // switch-free: `needed` vectors of 8 keys, the rest stay 0 (masked below)
+    const __m256 qb = _mm256_set1_ps(q[e]);
+    const float* kp = kt + e * kTile;
+    for (int b = 0; b < kVecs8; ++b)
+      if (b < needed) s[b] = _mm256_fmadd_ps(qb, _mm256_loadu_ps(kp + 8 * b), s[b]);
+  }
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 tile_max = neg_inf;
+  for (int b = 0; b < kVecs8; ++b) {
+    if (masked) s[b] = _mm256_blendv_ps(neg_inf, s[b], visible_avx2(key0, b, pos));
+    tile_max = _mm256_max_ps(tile_max, s[b]);
+  }
+  __m256 lane_sum = _mm256_loadu_ps(sum);
+  const float top = hmax_avx2(tile_max);
+  if (top > max + kLazy / c) {  // the max moves: rescale what was summed so far (exactly 1 where it stays)
+    const float new_max = std::max(max, top);
+    const __m256 alpha = exp2_avx2(_mm256_set1_ps((max - new_max) * c));
+    lane_sum = _mm256_mul_ps(lane_sum, alpha);
+    for (int64_t e = 0; e < D; e += 8) _mm256_storeu_ps(acc + e, _mm256_mul_ps(_mm256_loadu_ps(acc + e), alpha));
+    max = new_max;
+  }
+  const __m256 vc = _mm256_set1_ps(c), mc = _mm256_set1_ps(max * c);
+  for (int b = 0; b < kVecs8; ++b) {
+    __m256 w = exp2_avx2(_mm256_fmsub_ps(s[b], vc, mc));
+    if (masked) w = _mm256_and_ps(w, visible_avx2(key0, b, pos));
+    lane_sum = _mm256_add_ps(lane_sum, w);
+    _mm256_storeu_ps(weights + 8 * b, w);
+  }
+  _mm256_storeu_ps(sum, lane_sum);
+  const int64_t keys = masked ? std::min<int64_t>(kTile, pos - key0 + 1) : kTile;
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    __m256 a[8];
+    for (int b = 0; b < 8; ++b) a[b] = _mm256_loadu_ps(acc + d0 + 8 * b);
+    for (int64_t i = 0; i < keys; ++i) {
+      const __m256 wb = _mm256_set1_ps(weights[i]);
+      const float* vp = vt + i * D + d0;
+      for (int b = 0; b < 8; ++b) a[b] = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 8 * b), a[b]);
+    }
+    for (int b = 0; b < 8; ++b) _mm256_storeu_ps(acc + d0 + 8 * b, a[b]);
+  }
+}
+
+PDS_AVX2 void store_row_avx2(const float* acc, const float* sums, float* out, int64_t D) {
+  const __m256 inv = _mm256_set1_ps(1.f / hsum_avx2(_mm256_loadu_ps(sums)));
+  for (int64_t e = 0; e < D; e += 8) _mm256_storeu_ps(out + e, _mm256_mul_ps(_mm256_loadu_ps(acc + e), inv));
+}
+
+PDS_AVX2 void store_row_avx2(const float* acc, const float* sums, uint16_t* out, int64_t D) {
+  const float inv = 1.f / hsum_avx2(_mm256_loadu_ps(sums));
+  for (int64_t e = 0; e < D; ++e) store_f32(acc[e] * inv, out + e);
+}
+
+// One task's block of rows, key tile by key tile (a tile's keys and values stay in cache for all the rows).
+template <typename T>
+PDS_AVX2 void block_avx2(const Problem<T>& p, const Packed& pk, int64_t kvh, const Rows<T>& rows, Scratch& s) {
+  const int64_t D = p.d, n = static_cast<int64_t>(rows.q.size());
+  const float c = p.scale * 1.4426950408889634f;
+  s.acc.assign(n * D, 0.f);
+  s.max.assign(n, -std::numeric_limits<float>::infinity());
+  s.sum.assign(n * 8, 0.f);
+  s.weights.resize(kTile);
+  s.qf.resize(n * D);
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t e = 0; e < D; ++e) s.qf[r * D + e] = to_f32(rows.q[r][e]);
+  const int64_t last_tile = rows.pos[n - 1] / kTile;
+  for (int64_t j = 0; j <= last_tile; ++j) {
+    const float* kt = reinterpret_cast<const float*>(pk.key_tile(kvh, j));
+    const float* vt = reinterpret_cast<const float*>(pk.value_tile(kvh, j));
+    for (int64_t r = 0; r < n; ++r) {
+      if (j * kTile > rows.pos[r]) continue;  // wholly past this row
+      row_tile_avx2(s.qf.data() + r * D, rows.pos[r], kt, vt, j * kTile, D, c, s.weights.data(), s.max[r],
+                    s.sum.data() + r * 8, s.acc.data() + r * D);
+    }
+  }
+  for (int64_t r = 0; r < n; ++r) store_row_avx2(s.acc.data() + r * D, s.sum.data() + r * 8, rows.out[r], D);
+}
+
+bool cpu_has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+
+#endif  // PDS_HAVE_AVX512
+
 // The fastest path this CPU has for head dim d, or a slower one asked for: want is "auto", "avx512" (no
 // AVX512-BF16 instructions) or "portable".
 Path choose_path(int64_t d, bool bf16, const std::string& want) {
-  TORCH_CHECK(want == "auto" || want == "avx512" || want == "portable", "unknown path ", want);
+  TORCH_CHECK(want == "auto" || want == "avx512" || want == "avx2" || want == "portable", "unknown path ", want);
 #if PDS_HAVE_AVX512
-  if (want != "portable" && d > 0 && d % 64 == 0 && cpu_has_avx512())
-    return bf16 && want == "auto" && cpu_has_avx512_bf16() ? Path::kAvx512Bf16 : Path::kAvx512;
+  if (want != "portable" && d > 0 && d % 64 == 0) {
+    if (want != "avx2" && cpu_has_avx512())
+      return bf16 && want == "auto" && cpu_has_avx512_bf16() ? Path::kAvx512Bf16 : Path::kAvx512;
+    if (cpu_has_avx2()) return Path::kAvx2;
+  }
 #endif
   return Path::kPortable;
 }
@@ -570,6 +711,7 @@ std::string path_for(int64_t d, bool bf16, const std::string& want) {
   switch (choose_path(d, bf16, want)) {
     case Path::kAvx512Bf16: return "avx512_bf16";
     case Path::kAvx512: return "avx512";
+    case Path::kAvx2: return "avx2";
     default: return "portable";
   }
 }
@@ -598,6 +740,10 @@ void run(const Problem<T>& p, const std::string& want) {
       const int64_t kvh = task % p.hkv, block = p.blocks - 1 - task / p.hkv;
       rows_of(p, kvh, block, rows);
 #if PDS_HAVE_AVX512
+      if (path == Path::kAvx2) {
+        block_avx2(p, pk, kvh, rows, scratch);
+        continue;
+      }
       if (path != Path::kPortable) {
         block_avx512(p, pk, kvh, rows, scratch);
         continue;
