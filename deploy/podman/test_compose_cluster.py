@@ -9,7 +9,7 @@ image can be pulled here). Then, in order:
   4. SIGKILL the decode container mid-stream: the stream migrates to the other replica, losing no token;
   5. the image's HEALTHCHECK passes in every service container;
   6. down: no container, volume, network or /dev/shm segment is left.
-Not collected by `make test` (pyproject's testpaths is tests/): it needs podman and ~5 minutes.
+Not collected by `make test` (pyproject's testpaths is tests/): it needs podman and ~2 minutes.
 """
 
 from __future__ import annotations
@@ -144,8 +144,9 @@ def cluster() -> Iterator[Cluster]:
     finally:
         if containers(running_only=False):  # a check failed before step 6: leave nothing behind anyway
             for name in containers(running_only=False):
-                say(f"logs of {name}:\n{run('podman', 'logs', '--tail', '20', name, check=False).stderr}")
-            compose("down", "-v", "-t", "5")
+                logs = run("podman", "logs", "--tail", "20", name, check=False)
+                say(f"logs of {name}:\n{logs.stdout}{logs.stderr}")
+            compose("down", "-v", "-t", "10")  # past the services' 5 s grace
         say(f"found: {json.dumps(cluster.seen)}")
 
 
