@@ -260,8 +260,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except RequestFailed as exc:
             hint = (("retry-after-ms", str(exc.retry_after_ms)),) if exc.retry_after_ms else ()
             await context.abort(exc.code, exc.message, trailing_metadata=hint)
-        except _CancelCall:  # the stream above is closed: its worker calls are cancelled
-            self.metrics.count("pdserve_cancellations")
+        except _CancelCall:  # the stream above is closed (and counted): its worker calls are cancelled
             log.info("ended with CANCELLED: %s, once its write was done", _CANCEL_CALL)
             await context.abort(grpc.StatusCode.CANCELLED, _CANCEL_CALL)
         except asyncio.CancelledError:
@@ -286,6 +285,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         ) as span:
             generated = 0
             arrived = last = time.perf_counter()
+            finished = cancelled = False
             try:
                 # aclosing: closed early (a stop string, a deferred Cancel), the journey's calls end now, not at GC
                 handle = self._handle(request, deadline, arrived, self.keys.tenant(metadata))
@@ -302,19 +302,27 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         generated += len(response.token_ids)
                         self.metrics.count("pdserve_generation_tokens", len(response.token_ids))
                         if response.finish_reason:
+                            finished = True
                             self._finished(response, now - arrived, generated)
                         yield response
             except asyncio.CancelledError:
+                cancelled = True
                 phase = "decoding" if generated else "before first token"
                 span.add_event("cancelled", {"pdserve.phase": phase, "pdserve.tokens_sent": generated})
                 log.info("cancelled %s, after %d tokens", phase, generated)
                 raise
+            except GeneratorExit:  # closed before its end: the client left mid-write, or a Cancel waited for one
+                cancelled = not finished
+                raise
             except RequestFailed as exc:
+                cancelled = exc.code == grpc.StatusCode.CANCELLED  # by a Cancel call
                 span.set_status(trace.Status(trace.StatusCode.ERROR, f"{exc.code.name}: {exc.message}"))
                 log.info("ended with %s: %s", exc.code.name, exc.message)
                 raise
             finally:
                 span.set_attribute("pdserve.output_tokens", generated)
+                if cancelled:  # counted here, once, whichever way the transport saw it end
+                    self.metrics.count("pdserve_cancellations")
 
     def _finished(self, response: gateway_pb2.GenerateResponse, seconds: float, generated: int) -> None:
         usage, timing = response.usage, response.timing
@@ -365,7 +373,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 retry_after_ms = self.admission.retry_after_ms
             raise RequestFailed(exc.code, exc.message, retry_after_ms) from None
         except asyncio.CancelledError:
-            self.metrics.count("pdserve_cancellations")
             if owned in self._cancelled:  # Cancel, not the client: the client gets a status
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
                 raise RequestFailed(grpc.StatusCode.CANCELLED,

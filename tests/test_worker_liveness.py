@@ -466,7 +466,23 @@ def test_a_cancel_never_interrupts_a_write_and_ends_the_request_once_the_write_i
             assert context.writes == ["done", "done"]
             assert context.status == (grpc.StatusCode.CANCELLED, "request was cancelled by a Cancel call")
             assert not servicer._in_flight and not servicer._tasks and not servicer._writing
+            assert cancellations(servicer) == 1
+            # the client's own cancel mid-write (grpc.aio cancels the handler): no status owed, counted once too
+            context = _WriteGate()
+            handler = asyncio.ensure_future(servicer.Generate(request, context))  # type: ignore[arg-type]
+            await asyncio.wait_for(context.writing.wait(), 30)
+            handler.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(handler, 10)
+            assert context.writes == ["done", "interrupted"] and context.status is None
+            assert not servicer._in_flight and not servicer._tasks and not servicer._writing
+            assert cancellations(servicer) == 2
         assert_nothing_held(workers)
+
+    def cancellations(servicer: GatewayServicer) -> float:
+        value = servicer.metrics.registry.get_sample_value("pdserve_cancellations_total")
+        assert value is not None
+        return value
 
     asyncio.run(scenario())
 
