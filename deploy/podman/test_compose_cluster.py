@@ -7,7 +7,7 @@ image can be pulled here). Then, in order:
   2. one trace spans the gateway, prefill and decode containers at the OTLP receiver;
   3. /metrics scrapes, the gateway's and each worker's;
   4. SIGKILL the decode container mid-stream: the stream migrates to the other replica, losing no token;
-  5. the image's HEALTHCHECK passes in every service container;
+  5. the image's HEALTHCHECK passes in every service container, and the workers compiled no kernel at start;
   6. down: no container, volume, network or /dev/shm segment is left.
 Not collected by `make test` (pyproject's testpaths is tests/): it needs podman and ~2 minutes.
 """
@@ -266,6 +266,15 @@ def test_5_the_image_s_healthcheck_passes_in_every_service_container(cluster: Cl
         say(f"podman healthcheck run {name}: {checked.stdout.strip() or 'exit 0'} ({seconds:.1f} s)")
         assert checked.returncode == 0, checked.stdout + checked.stderr
         assert seconds < 5  # the declared timeout
+
+
+def test_5b_the_workers_load_the_kernels_the_image_built(cluster: Cluster) -> None:
+    """A kernel the image did not build is compiled at start-up, minutes on 2 cores (see the Dockerfile)."""
+    for name in containers("prefill") + containers("decode"):
+        log = run("podman", "logs", name)
+        loads = re.findall(r"(\w[\w ]*kernel) loaded in ([\d.]+) s", log.stdout + log.stderr)
+        say(f"{name}: " + ", ".join(f"{what} {seconds} s" for what, seconds in loads))
+        assert loads and all(float(seconds) < 5 for _, seconds in loads), loads
 
 
 def test_6_down_leaves_no_container_volume_network_or_shm_segment(cluster: Cluster) -> None:
