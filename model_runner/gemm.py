@@ -7,8 +7,9 @@ the same bits alone or in any batch, at any thread count: every output is summed
 
 The kernel is compiled on first use, not on import, and cached in torch's extension directory. Where it cannot be
 built, on other devices, and with PDSERVE_GEMM=torch, F.linear serves instead (not batch invariant).
-PDSERVE_GEMM=avx512 keeps the kernel but leaves out its AVX512-BF16 instructions, and =portable its AVX-512 code
-too: the code older CPUs run. PDSERVE_GEMM is read when a weight is packed; the weight keeps that choice.
+PDSERVE_GEMM=avx512 keeps the kernel but leaves out its AVX512-BF16 instructions, =avx2 runs the 8-lane code that
+CPUs without AVX-512 run, and =portable the scalar loops of other CPUs. PDSERVE_GEMM is read when a weight is
+packed; the weight keeps that choice.
 
 Prompt GEMMs (`prompt=True`: many rows, compute-bound) on CPUs with AMX-BF16 go to oneDNN's AMX kernels instead,
 6-13x faster than the kernel above at prompt shapes (docs/kernels.md, "Prompt GEMMs on AMX"). They stay batch and
@@ -32,7 +33,7 @@ from model_runner import kernels
 # -ffp-contract=off: the portable loops round every product and sum where the source says, never fused.
 KERNEL = kernels.Kernel("tinygemm.cpp", "tinygemm kernel", "F.linear", cflags=("-ffp-contract=off",))
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-_MODES = ("auto", "torch", "avx512", "portable")
+_MODES = ("auto", "torch", "avx512", "avx2", "portable")
 _POSTS = ("none", "silu", "mul", "add")
 BLOCK = 16  # outputs per block of the packed layout
 PROMPT_ROWS = 64  # rows in every oneDNN call of a prompt GEMM: a multiple of AMX's 16-row tiles
@@ -45,7 +46,7 @@ class PackedWeight:
     data: torch.Tensor  # blocked: (N/16, ceil(K/2), 16, 2) bf16 or (N/16, K, 16) fp32, N padded; else (N, K)
     out_features: int
     in_features: int
-    mode: str | None  # the kernel's PDSERVE_GEMM mode (auto, avx512, portable); None: data is (N, K) for F.linear
+    mode: str | None  # the kernel's PDSERVE_GEMM mode (auto, avx512, avx2, portable); None: data is (N, K) for F.linear
     prompt: torch.Tensor | None = None  # the weight reordered for oneDNN's AMX kernels, for prompt GEMMs
 
     @property
@@ -177,7 +178,7 @@ def kernel_available() -> bool:
 
 def kernel_path(dtype: torch.dtype) -> str:
     """Which code serves CPU calls on weights packed now: "avx512_bf16" (bfloat16 dot products), "avx512",
-    "portable" or "torch"."""
+    "avx2", "portable" or "torch"."""
     mode = _mode()
     if mode == "torch" or dtype not in _KERNEL_DTYPES or not KERNEL.load():
         return "torch"

@@ -76,8 +76,10 @@ class Kernel:
         with open(build_dir / "pdserve.lock", "w") as lock_file:
             fcntl.flock(lock_file, fcntl.LOCK_EX)
             (build_dir / "lock").unlink(missing_ok=True)
-            cpp_extension.load(name=build_dir.name, sources=[str(self.source)], extra_cflags=self.cflags,
-                               extra_ldflags=LDFLAGS, build_directory=str(build_dir), is_python_module=False,
+            # copies: torch appends its own flags to the lists it is given, and LDFLAGS names the next build's
+            # directory (a container compiled every kernel anew at start when loaded in another order)
+            cpp_extension.load(name=build_dir.name, sources=[str(self.source)], extra_cflags=list(self.cflags),
+                               extra_ldflags=list(LDFLAGS), build_directory=str(build_dir), is_python_module=False,
                                verbose=False)
         log.info("%s loaded in %.1f s (%s)", self.what, time.perf_counter() - began, build_dir)
 

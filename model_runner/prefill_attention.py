@@ -60,8 +60,8 @@ def load_kernel() -> bool:
 
 
 def kernel_path(head_dim: int, dtype: torch.dtype) -> str:
-    """Which code serves a CPU call: "avx512_bf16" (bfloat16 dot products), "avx512", "avx2" (float32 8-lane vectors), "portable" (only when
-    asked for: scalar loops, far slower than SDPA) or "torch"."""
+    """Which code serves a CPU call: "avx512_bf16" (bfloat16 dot products), "avx512", "avx2" (float32 8-lane
+    vectors), "portable" (only when asked for: scalar loops, far slower than SDPA) or "torch"."""
     mode = _mode()
     if mode == "torch" or dtype not in _KERNEL_DTYPES or not KERNEL.load():
         return "torch"

@@ -31,12 +31,14 @@ def kernel() -> None:
     assert gemm.load_kernel(), "the kernel failed to build (see the warning logged above)"
 
 
-@pytest.fixture(params=["auto", "avx512", "portable"])
+@pytest.fixture(params=["auto", "avx512", "avx2", "portable"])
 def path(request: pytest.FixtureRequest, kernel: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Each of the kernel's paths this CPU can run (weights packed under the fixture take it): auto is the
-    fastest (AVX512-BF16 dot products for bfloat16 where the CPU has them), avx512 leaves those out, portable is
-    what CPUs without AVX-512 run."""
+    fastest (AVX512-BF16 dot products for bfloat16 where the CPU has them), avx512 leaves those out, avx2 is
+    what CPUs without AVX-512 run, portable the scalar loops of other CPUs."""
     monkeypatch.setenv("PDSERVE_GEMM", request.param)
+    if request.param in ("avx512", "avx2") and gemm.kernel_path(torch.float32) != request.param:
+        pytest.skip(f"this CPU has no {request.param} path")
     yield request.param
 
 
@@ -122,15 +124,15 @@ def test_batch_invariant(path: str, dtype: torch.dtype, n: int, k: int) -> None:
 
 
 def test_bfloat16_paths_agree(kernel: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """vdpbf16ps adds a pair's second product, then its first, each exact in float32; the avx512 and portable
-    paths add them in that order too, so all three give the same bits (on normal numbers)."""
+    """vdpbf16ps adds a pair's second product, then its first, each exact in float32; the other
+    paths (avx2, portable) add them in that order too, so all of them give the same bits (on normal numbers)."""
     weight, x, _, _ = make(576, 1536, 9, torch.bfloat16, seed=2)
     outs = []
-    for mode in ("auto", "avx512", "portable"):
+    for mode in ("auto", "avx512", "avx2", "portable"):
         monkeypatch.setenv("PDSERVE_GEMM", mode)
         outs.append(linear(x, pack(weight), post="add", other=cancelling(x, weight)))
     assert outs[0].ne(0).float().mean() > 0.5
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -241,3 +243,16 @@ def test_prompt_gemms_on_amx_give_a_row_the_same_bits_in_any_company(post: str) 
         assert torch.equal(rows(start, end), whole[start:end]), (start, end)
     expected = gemm.reference_linear(x, packed, bias, post=post, other=other)
     assert torch.allclose(whole.float(), expected.float(), rtol=0.05, atol=0.1 * expected.float().abs().max().item())
+
+
+def test_loading_the_kernels_leaves_their_flags_and_build_directories_as_they_were(kernel: None) -> None:
+    """torch appends its own flags to the lists it is given; ours name the build directories, so a kernel loaded
+    after another must not find them grown (every container compiled its kernels anew at start)."""
+    from model_runner import attention, kernels, prefill_attention
+
+    modules = (gemm, attention, prefill_attention)
+    directories = [m.KERNEL.build_directory() for m in modules]
+    for m in modules:
+        assert m.KERNEL.load()
+    assert kernels.LDFLAGS == ["-fopenmp"] and gemm.KERNEL.cflags == ["-O3", "-fopenmp", "-ffp-contract=off"]
+    assert [m.KERNEL.build_directory() for m in modules] == directories

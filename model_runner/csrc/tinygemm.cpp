@@ -11,8 +11,11 @@
 // Batch invariance by construction: each output is one sum over k, in order of k, whatever M is, whichever
 // tile or thread computes it. Rows past 16 are done 16 at a time over the same weights, in the same order.
 //
-// The AVX-512 code is compiled for AVX-512 by function attribute and chosen at run time, so the one cached
-// build runs on any x86-64 CPU: those without AVX-512 (and other architectures) run the portable loops.
+// CPUs with AVX2 and FMA but no AVX-512 run 8-lane tiles of up to 4 rows by one block (group_avx2): the same
+// sums over k in the same order, so bfloat16 outputs have the same bits as on the other paths.
+//
+// The vector code is compiled by function attribute and chosen at run time, so the one cached build runs on any
+// x86-64 CPU: others (and other architectures) run the portable loops.
 // Only the ATen headers this needs are included (torch/extension.h would add ~15 s to every first build).
 
 #include <ATen/Parallel.h>
@@ -32,6 +35,7 @@
 #define PDS_HAVE_AVX512 1
 #define PDS_AVX512 __attribute__((target("avx512f,fma")))
 #define PDS_AVX512_BF16 __attribute__((target("avx512f,avx512bf16,fma")))
+#define PDS_AVX2 __attribute__((target("avx2,fma")))
 #else
 #define PDS_HAVE_AVX512 0
 #endif
@@ -49,7 +53,7 @@ constexpr int kGroup = 12;  // blocks whose weights every row tile passes over b
 constexpr int kFar = 64;
 constexpr int kNear = 8;
 
-enum class Path { kPortable, kAvx512, kAvx512Bf16 };
+enum class Path { kPortable, kAvx2, kAvx512, kAvx512Bf16 };
 enum class Post { kNone, kSilu, kMul, kAdd };
 
 // bfloat16 is the top half of a float32
@@ -406,6 +410,168 @@ void group_avx512(const Problem& pr, int64_t g0, int64_t g1, int64_t end, bool f
 }
 #endif
 
+#if PDS_HAVE_AVX512
+// ---------------------------------------------------------------------------------------------------------
+// AVX2 path: a block's 16 outputs are two 8-lane vectors; a tile is up to kRows2 rows by one block (the 16
+// vector registers hold its 8 sums, the block's line widened and the row's broadcast), so rows past 4 pass over
+// the block again, from cache.
+
+constexpr int kRows2 = 4;
+
+// The prefetches of `prefetch`, for a tile of one block (next: the block after it, if next_blocks).
+inline void prefetch_one(const Tile& t, int64_t s, const char* line) {
+  if (s + kFar < t.steps) _mm_prefetch(line + kFar * kLine, _MM_HINT_T1);
+  else if (t.next_blocks) _mm_prefetch(t.next + (s + kFar - t.steps) * kLine, _MM_HINT_T1);
+  _mm_prefetch(line + kNear * kLine, _MM_HINT_T0);
+}
+
+template <int M>
+PDS_AVX2 void tile2_f32(const Tile& t) {
+  const float* x = reinterpret_cast<const float*>(t.x);
+  __m256 acc[M][2];
+  for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < t.steps; ++s) {
+    const char* line = t.w + s * kLine;
+    prefetch_one(t, s, line);
+    const __m256 w0 = _mm256_loadu_ps(reinterpret_cast<const float*>(line));
+    const __m256 w1 = _mm256_loadu_ps(reinterpret_cast<const float*>(line) + 8);
+    for (int r = 0; r < M; ++r) {
+      const __m256 xv = _mm256_set1_ps(x[r * t.ldx + s]);
+      acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < M; ++r) {
+    _mm256_storeu_ps(t.acc + r * kBlock, acc[r][0]);
+    _mm256_storeu_ps(t.acc + r * kBlock + 8, acc[r][1]);
+  }
+}
+
+// bfloat16: each pair widened to float32, two FMAs, the pair's second product first (as vdpbf16ps).
+template <int M>
+PDS_AVX2 void tile2_bf16(const Tile& t) {
+  const uint16_t* x = reinterpret_cast<const uint16_t*>(t.x);
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  __m256 acc[M][2];
+  for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < t.steps; ++s) {
+    const char* line = t.w + s * kLine;
+    prefetch_one(t, s, line);
+    __m256 w0[2], w1[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32 * h));
+      w0[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      w1[h] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+    }
+    for (int r = 0; r < M; ++r) {
+      const __m256i xp = _mm256_set1_epi32(load_pair(x + r * t.ldx + 2 * s));
+      const __m256 x0 = _mm256_castsi256_ps(_mm256_slli_epi32(xp, 16));
+      const __m256 x1 = _mm256_castsi256_ps(_mm256_and_si256(xp, high));
+      for (int h = 0; h < 2; ++h) {
+        acc[r][h] = _mm256_fmadd_ps(x1, w1[h], acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(x0, w0[h], acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < M; ++r) {
+    _mm256_storeu_ps(t.acc + r * kBlock, acc[r][0]);
+    _mm256_storeu_ps(t.acc + r * kBlock + 8, acc[r][1]);
+  }
+}
+
+template <bool BF16>
+void tile2(const Tile& t, int rows) {
+  switch (rows) {
+    case 1: BF16 ? tile2_bf16<1>(t) : tile2_f32<1>(t); break;
+    case 2: BF16 ? tile2_bf16<2>(t) : tile2_f32<2>(t); break;
+    case 3: BF16 ? tile2_bf16<3>(t) : tile2_f32<3>(t); break;
+    default: BF16 ? tile2_bf16<4>(t) : tile2_f32<4>(t); break;
+  }
+}
+
+// e^x as exp512, with x clamped to [-87, 88] so that 2^n fits a float32's exponent bits (no scalef on AVX2).
+PDS_AVX2 inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_set1_ps(88.f), _mm256_max_ps(_mm256_set1_ps(-87.f), x));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+PDS_AVX2 inline __m256 load8(const void* p, bool bf16) {
+  if (!bf16) return _mm256_loadu_ps(static_cast<const float*>(p));
+  const __m128i h = _mm_loadu_si128(static_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// Bias, post-op and rounding for rows r0.. of block b from sums acc (rows, 16); a block cut short by N (the
+// last one) goes through the portable loops.
+PDS_AVX2 void finish_avx2(const Problem& pr, int64_t r0, int rows, int64_t b, const float* acc) {
+  const int64_t n0 = b * kBlock;
+  if (pr.n - n0 < kBlock) {
+    finish_portable(pr, r0, rows, b, acc);
+    return;
+  }
+  for (int h = 0; h < 2; ++h) {
+    const int64_t c0 = n0 + 8 * h;
+    const __m256 bias = pr.bias ? load8(static_cast<const char*>(pr.bias) + c0 * (pr.bias_bf16 ? 2 : 4),
+                                        pr.bias_bf16)
+                                : _mm256_setzero_ps();
+    for (int r = 0; r < rows; ++r) {
+      __m256 y = _mm256_add_ps(_mm256_loadu_ps(acc + r * kBlock + 8 * h), bias);
+      const int64_t row = r0 + r;
+      if (pr.post == Post::kSilu) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), y));
+        y = _mm256_div_ps(y, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+      } else if (pr.post != Post::kNone) {
+        const __m256 o = load8(static_cast<const char*>(pr.other) + (row * pr.ldo + c0) * (pr.other_bf16 ? 2 : 4),
+                               pr.other_bf16);
+        y = pr.post == Post::kMul ? _mm256_mul_ps(y, o) : _mm256_add_ps(y, o);
+      }
+      if (pr.bf16) {  // as f32_to_bf16
+        const __m256i bits = _mm256_castps_si256(y);
+        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+        __m256i v = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+        v = _mm256_blendv_epi8(v, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q)));
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(v, v), 0x08);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(pr.out) + row * pr.n + c0),
+                         _mm256_castsi256_si128(packed));
+      } else {
+        _mm256_storeu_ps(static_cast<float*>(pr.out) + row * pr.n + c0, y);
+      }
+    }
+  }
+}
+
+// Blocks g0..g1 of a thread's share, which ends at block end (first: they are the first of it).
+template <bool BF16>
+void group_avx2(const Problem& pr, int64_t g0, int64_t g1, int64_t end, bool first) {
+  const int64_t block_bytes = pr.steps * kLine, elem = BF16 ? 2 : 4;
+  alignas(64) float acc[kRows2 * kBlock];
+  for (int64_t r0 = 0; r0 < pr.m; r0 += kRows2) {
+    const int rows = static_cast<int>(std::min<int64_t>(kRows2, pr.m - r0));
+    for (int64_t b = g0; b < g1; ++b) {
+      const char* w = static_cast<const char*>(pr.w) + b * block_bytes;
+      const Tile t{static_cast<const char*>(pr.x) + r0 * pr.ldx * elem, pr.ldx, w, block_bytes, pr.steps,
+                   w + block_bytes, end - b > 1 ? 1 : 0, acc};
+      if (first && r0 == 0 && b == g0)
+        for (int64_t s = 0; s < std::min<int64_t>(kFar, t.steps); ++s) _mm_prefetch(w + s * kLine, _MM_HINT_T1);
+      tile2<BF16>(t, rows);
+      finish_avx2(pr, r0, rows, b, acc);
+    }
+  }
+}
+#endif
+
 void group_portable(const Problem& pr, int64_t g0, int64_t g1) {
   float acc[kMaxRows * kBlock];
   for (int64_t r0 = 0; r0 < pr.m; r0 += kMaxRows) {
@@ -421,6 +587,8 @@ bool cpu_has(const char* feature) {
 #if PDS_HAVE_AVX512
   static const bool avx512 = __builtin_cpu_supports("avx512f");
   static const bool bf16 = __builtin_cpu_supports("avx512bf16");
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (std::strcmp(feature, "avx2") == 0) return avx2;
   return std::strcmp(feature, "avx512bf16") == 0 ? avx512 && bf16 : avx512;
 #else
   (void)feature;
@@ -429,16 +597,20 @@ bool cpu_has(const char* feature) {
 }
 
 Path choose_path(bool bf16, const std::string& want) {
-  TORCH_CHECK(want == "auto" || want == "avx512" || want == "portable", "path must be auto, avx512 or portable");
-  if (want == "portable" || !cpu_has("avx512f")) return Path::kPortable;
-  return bf16 && want == "auto" && cpu_has("avx512bf16") ? Path::kAvx512Bf16 : Path::kAvx512;
+  TORCH_CHECK(want == "auto" || want == "avx512" || want == "avx2" || want == "portable",
+              "path must be auto, avx512, avx2 or portable");
+  if (want == "portable") return Path::kPortable;
+  if (want != "avx2" && cpu_has("avx512f"))
+    return bf16 && want == "auto" && cpu_has("avx512bf16") ? Path::kAvx512Bf16 : Path::kAvx512;
+  return cpu_has("avx2") ? Path::kAvx2 : Path::kPortable;
 }
 
-// Which code serves this dtype: "avx512_bf16", "avx512" or "portable".
+// Which code serves this dtype: "avx512_bf16", "avx512", "avx2" or "portable".
 std::string path_for(bool bf16, const std::string& want) {
   switch (choose_path(bf16, want)) {
     case Path::kAvx512Bf16: return "avx512_bf16";
     case Path::kAvx512: return "avx512";
+    case Path::kAvx2: return "avx2";
     default: return "portable";
   }
 }
@@ -460,6 +632,11 @@ void run(const Problem& pr, Path path) {
       if (path == Path::kAvx512) {
         if (pr.bf16) group_avx512<Path::kAvx512, true>(pr, g0, g1, last, g == begin);
         else group_avx512<Path::kAvx512, false>(pr, g0, g1, last, g == begin);
+        continue;
+      }
+      if (path == Path::kAvx2) {
+        if (pr.bf16) group_avx2<true>(pr, g0, g1, last, g == begin);
+        else group_avx2<false>(pr, g0, g1, last, g == begin);
         continue;
       }
 #endif
