@@ -3,7 +3,8 @@
 On the CPU a C++ kernel (csrc/paged_attention.cpp) does the work; it is compiled on first use, not on import,
 and cached in torch's extension directory. Where it cannot be built, on other devices, and with
 PDSERVE_ATTENTION=torch, the pure-torch reference serves instead. PDSERVE_ATTENTION=avx512 keeps the kernel but
-leaves out its AVX512-BF16 instructions, and =portable its AVX-512 code too: the code older CPUs run.
+leaves out its AVX512-BF16 instructions, =avx2 runs the 8-lane code that CPUs without AVX-512 run, and =portable
+the scalar loops of other CPUs.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from model_runner import kernels
 
 KERNEL = kernels.Kernel("paged_attention.cpp", "paged attention kernel", "the torch reference")
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-_MODES = ("auto", "torch", "avx512", "portable")
+_MODES = ("auto", "torch", "avx512", "avx2", "portable")
 
 
 def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -101,7 +102,8 @@ def kernel_available() -> bool:
 
 
 def kernel_path(head_dim: int, dtype: torch.dtype) -> str:
-    """Which code serves a CPU call: "avx512_bf16" (bfloat16 dot products), "avx512", "portable" or "torch"."""
+    """Which code serves a CPU call: "avx512_bf16" (bfloat16 dot products), "avx512", "avx2", "portable" or
+    "torch"."""
     mode = _mode()
     if mode == "torch" or dtype not in _KERNEL_DTYPES or not KERNEL.load():
         return "torch"

@@ -7,8 +7,11 @@
 // float32, then sums the values with those weights in float32. A head's arithmetic is the same in any task,
 // so a sequence's output is the same bits in any batch and at any thread count.
 //
-// The AVX-512 code is compiled for AVX-512 by function attribute and chosen at run time, so the one cached
-// build runs on any x86-64 CPU: those without AVX-512 (and other architectures) run the portable loops.
+// CPUs with AVX2 and FMA but no AVX-512 run attend_avx2: the portable path's order of work in 8-lane vectors,
+// with a vectorised exp.
+//
+// The vector code is compiled by function attribute and chosen at run time, so the one cached build runs on any
+// x86-64 CPU: others (and other architectures) run the portable loops.
 // Only the ATen headers this needs are included (torch/extension.h would add ~15 s to every first build).
 
 #include <ATen/Parallel.h>
@@ -31,6 +34,7 @@
 #define PDS_HAVE_AVX512 1
 #define PDS_AVX512 __attribute__((target("avx512f,fma")))
 #define PDS_AVX512_BF16 __attribute__((target("avx512f,avx512bf16,fma")))
+#define PDS_AVX2 __attribute__((target("avx2,fma")))
 #else
 #define PDS_HAVE_AVX512 0
 #endif
@@ -469,24 +473,160 @@ bool cpu_has_avx512_bf16() {
 
 #endif  // PDS_HAVE_AVX512
 
-enum class Path { kPortable, kAvx512, kAvx512Bf16 };
+#if PDS_HAVE_AVX512
+// ---------------------------------------------------------------------------------------------------------
+// AVX2 path, for D a multiple of 8: one kv head at a time, as the portable path, in 8-lane float32 vectors.
+
+// 8 elements of a row as float32
+PDS_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+PDS_AVX2 inline __m256 load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+PDS_AVX2 inline float hsum8(__m256 x) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_add_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// e^x for x <= 0, as exp_nonpositive, clamped at -87 so that 2^n fits a float32's exponent bits (e^-87 is
+// 1.6e-38: a weight that small adds nothing a bfloat16 or float32 output can show).
+PDS_AVX2 inline __m256 exp_nonpositive8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// Scores of GN q heads (q: (GN, D) float32) against one key: GN independent chains of FMAs over the key,
+// read once for all of them. A head's arithmetic is the same whichever heads come with it.
+template <typename T, int GN>
+PDS_AVX2 inline void score_key(const float* q, const T* k, int64_t D, float scale, float* out, int64_t stride) {
+  __m256 acc[GN];
+  for (int g = 0; g < GN; ++g) acc[g] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < D; i += 8) {
+    const __m256 kv = load8(k + i);
+    for (int g = 0; g < GN; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + i), kv, acc[g]);
+  }
+  for (int g = 0; g < GN; ++g) out[g * stride] = hsum8(acc[g]) * scale;
+}
+
+template <typename T>
+PDS_AVX2 void attend_avx2(const Args<T>& a, int64_t b, int64_t kvh, Scratch& s) {
+  const int64_t length = a.context_lens[b], G = a.group, D = a.d;
+  T* out = a.out + (b * a.hq + kvh * G) * D;
+  if (length == 0) {
+    for (int64_t i = 0; i < G * D; ++i) store_f32(0.f, out + i);
+    return;
+  }
+  const int64_t padded = (length + 7) / 8 * 8;
+  s.q.resize(G * D);
+  s.scores.resize(G * padded);  // (G, padded)
+  s.acc.assign(G * D, 0.f);
+  s.inv_sum.resize(G);
+  const T* q = a.q + (b * a.hq + kvh * G) * D;
+  for (int64_t i = 0; i < G * D; ++i) s.q[i] = to_f32(q[i]);
+  const Pass<T> keys = key_pass(a, b, kvh, kvh + 1), values = value_pass(a, b, kvh, kvh + 1);
+  for (int64_t j = 0; j < keys.blocks(); ++j) {
+    for (int64_t t = 0; t < keys.count(j); ++t) {
+      const T* k = keys.block_rows(j) + t * keys.token_stride;
+      const int64_t pos = j * keys.block_size + t;
+      for (int64_t g = 0; g < G;) {  // up to 4 heads per pass over the key
+        const float* qg = s.q.data() + g * D;
+        float* sg = s.scores.data() + g * padded + pos;
+        switch (std::min<int64_t>(G - g, 4)) {
+          case 1: score_key<T, 1>(qg, k, D, a.scale, sg, padded), g += 1; break;
+          case 2: score_key<T, 2>(qg, k, D, a.scale, sg, padded), g += 2; break;
+          case 3: score_key<T, 3>(qg, k, D, a.scale, sg, padded), g += 3; break;
+          default: score_key<T, 4>(qg, k, D, a.scale, sg, padded), g += 4; break;
+        }
+      }
+    }
+  }
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = s.scores.data() + g * padded;
+    for (int64_t i = length; i < padded; ++i) sg[i] = -std::numeric_limits<float>::infinity();
+    __m256 max = neg_inf;
+    for (int64_t i = 0; i < padded; i += 8) max = _mm256_max_ps(max, _mm256_loadu_ps(sg + i));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(max), _mm256_extractf128_ps(max, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const __m256 m = _mm256_set1_ps(_mm_cvtss_f32(m4));
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t i = 0; i < padded; i += 8) {
+      __m256 p = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(sg + i), m));
+      if (i + 8 == padded)  // lanes past length: weight 0
+        p = _mm256_and_ps(p, _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                                 _mm256_set1_epi32(static_cast<int32_t>(length - i)),
+                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))));
+      _mm256_storeu_ps(sg + i, p);
+      sum = _mm256_add_ps(sum, p);
+    }
+    s.inv_sum[g] = 1.f / hsum8(sum);
+  }
+  // Weighted values, a head and 64 dims at a time: 8 sums in registers over every position, in order.
+  for (int64_t g = 0; g < G; ++g) {
+    const float* weights = s.scores.data() + g * padded;
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      const int nv = static_cast<int>(std::min<int64_t>(8, (D - d0) / 8));
+      __m256 acc[8];
+      for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < values.blocks(); ++j) {
+        const T* rows = values.block_rows(j) + d0;
+        for (int64_t t = 0; t < values.count(j); ++t) {
+          const __m256 p = _mm256_set1_ps(weights[j * values.block_size + t]);
+          const T* v = rows + t * values.token_stride;
+          for (int c = 0; c < 8; ++c)
+            if (c < nv) acc[c] = _mm256_fmadd_ps(p, load8(v + 8 * c), acc[c]);
+        }
+      }
+      for (int c = 0; c < nv; ++c) _mm256_storeu_ps(s.acc.data() + g * D + d0 + 8 * c, acc[c]);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < D; ++i) store_f32(s.acc[g * D + i] * s.inv_sum[g], out + g * D + i);
+}
+
+bool cpu_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
+#endif  // PDS_HAVE_AVX512
+
+enum class Path { kPortable, kAvx2, kAvx512, kAvx512Bf16 };
 
 // The fastest path this CPU has for head dim d, or a slower one asked for: want is "auto", "avx512" (no
 // AVX512-BF16 instructions) or "portable".
 Path choose_path(int64_t d, bool bf16, const std::string& want) {
-  TORCH_CHECK(want == "auto" || want == "avx512" || want == "portable", "unknown path ", want);
+  TORCH_CHECK(want == "auto" || want == "avx512" || want == "avx2" || want == "portable", "unknown path ", want);
 #if PDS_HAVE_AVX512
-  if (want != "portable" && (d == 64 || d == 128) && cpu_has_avx512())
+  if (want != "portable" && want != "avx2" && (d == 64 || d == 128) && cpu_has_avx512())
     return bf16 && want == "auto" && cpu_has_avx512_bf16() ? Path::kAvx512Bf16 : Path::kAvx512;
+  if (want != "portable" && d > 0 && d % 8 == 0 && cpu_has_avx2()) return Path::kAvx2;
 #endif
   return Path::kPortable;
 }
 
-// Which code serves head dim d at this dtype: "avx512_bf16", "avx512" or "portable".
+// Which code serves head dim d at this dtype: "avx512_bf16", "avx512", "avx2" or "portable".
 std::string path_for(int64_t d, bool bf16, const std::string& want) {
   switch (choose_path(d, bf16, want)) {
     case Path::kAvx512Bf16: return "avx512_bf16";
     case Path::kAvx512: return "avx512";
+    case Path::kAvx2: return "avx2";
     default: return "portable";
   }
 }
@@ -508,6 +648,10 @@ void run(const Args<T>& a, int64_t batch, const std::string& want) {
       const int64_t b = task / tasks_per_seq;
       const auto [kv0, kv1] = heads_of(task);
 #if PDS_HAVE_AVX512
+      if (path == Path::kAvx2) {
+        for (int64_t kvh = kv0; kvh < kv1; ++kvh) attend_avx2<T>(a, b, kvh, scratch);
+        continue;
+      }
       if (path != Path::kPortable) {
         // The next task's keys are prefetched while this one's last values are summed.
         Pass<T> next;
