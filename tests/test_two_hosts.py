@@ -106,7 +106,8 @@ def test_the_kv_crosses_the_link_over_grpc_and_the_tokens_equal_a_single_host_ru
     for prompt, expected in zip(PROMPTS, single_host_tokens, strict=True):
         completion = generate(cluster.gateway.address, 60, prompt=prompt, **REQUEST)
         assert completion.token_ids == expected and completion.finish_reason == "length"
-        assert completion.timing is not None and completion.timing.kv_transport == "grpc" and completion.timing.kv_bytes > 0
+        assert completion.timing is not None
+        assert completion.timing.kv_transport == "grpc" and completion.timing.kv_bytes > 0
         kv_bytes += completion.timing.kv_bytes
     assert proxy.forwarded - before > kv_bytes  # the KV itself crossed the link, beside the gateway's calls
     assert_nothing_held(cluster)
