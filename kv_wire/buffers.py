@@ -11,11 +11,17 @@ writer may still hold it), never lent again. A segment's first page is a stamp: 
 hash of the reservation token it is lent to, so prefill writes only into the segment lent to its own
 request, and notices (between layers) when the lease was taken back. Segments of a process that was killed
 stay in /dev/shm until the next decode worker starts and removes every segment whose owner is gone.
+
+Whether an owner is gone is told by a lock, not by its pid alone: each owner holds an flock on
+`pdserve-kv-<pid>-<tag>.lock` for its life, and its segments' random part starts with that tag. Whoever can take
+the lock knows the owner died, also from another pid namespace: containers that share a /dev/shm volume each
+number their processes from 1, so a dead container's pid is often a live one here.
 """
 
 from __future__ import annotations
 
 import atexit
+import fcntl
 import hashlib
 import logging
 import mmap
@@ -36,7 +42,8 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 SEGMENT_PREFIX = "pdserve-kv-"
-_SEGMENT_NAME = re.compile(r"^pdserve-kv-(\d+)-[0-9a-f]{16}$")
+_SEGMENT_NAME = re.compile(r"^pdserve-kv-(\d+)-([0-9a-f]{8})[0-9a-f]{8}$")  # owner pid, owner tag, random
+_LOCK_NAME = re.compile(r"^pdserve-kv-(\d+)-([0-9a-f]{8})\.lock$")
 STAMP_BYTES = 4096  # the stamp page; KV data starts after it, page-aligned
 _MIN_CLASS = 1 << 20
 
@@ -98,7 +105,7 @@ class BufferPool:
                 self._idle.remove(buffer)
                 self.held_bytes += buffer.size
                 return buffer
-        name = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        name = f"{SEGMENT_PREFIX}{os.getpid()}-{_owner_tag()}{secrets.token_hex(4)}"
         buffer = Buffer(size, name)  # outside the lock: populating pages takes a while
         with self._lock:
             self.held_bytes += buffer.size
@@ -228,10 +235,35 @@ def data_region(buffer: Buffer, nbytes: int) -> np.ndarray:
     return buffer.array[STAMP_BYTES : STAMP_BYTES + nbytes]
 
 
+_owner: tuple[int, str, int] | None = None  # this process's (pid, tag, lock fd)
+_owner_guard = threading.Lock()
+
+
+def _owner_tag() -> str:
+    """This process's tag, the first 8 hex characters of its segments' random part; its lock file is flocked
+    from the first call until the process ends (the kernel lets go of a killed one's)."""
+    global _owner
+    with _owner_guard:
+        if _owner is None or _owner[0] != os.getpid():  # (a forked child is an owner of its own)
+            pid, tag = os.getpid(), secrets.token_hex(4)
+            lock = SHM_DIR / f"{SEGMENT_PREFIX}{pid}-{tag}.lock"
+            fd = -1
+            try:  # locked under a temporary name, then renamed: a sweep never sees it unlocked
+                staging = lock.with_name(lock.name + ".new")
+                fd = os.open(staging, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                os.rename(staging, lock)
+                atexit.register(_unlink, lock.name)
+            except OSError as exc:  # no /dev/shm: the segments fail anyway; a sweep falls back to the pid
+                log.warning("no owner lock for shared-memory KV segments: %s", exc)
+            _owner = (pid, tag, fd)
+        return _owner[1]
+
+
 def remove_orphans() -> int:
-    """Unlink every pdserve segment in /dev/shm that this user owns and whose owner process is gone; returns how
-    many. Another user's segments are left alone: they are not ours to judge (their pids may live in another
-    pid namespace) and /dev/shm's sticky bit forbids removing them anyway."""
+    """Unlink every pdserve segment in /dev/shm that this user owns and whose owner process is gone, and the
+    owners' lock files; returns how many segments. Another user's segments are left alone: they are not ours to
+    judge and /dev/shm's sticky bit forbids removing them anyway."""
     removed = 0
     if not SHM_DIR.is_dir():
         return 0
@@ -242,11 +274,33 @@ def remove_orphans() -> int:
             mine = path.stat().st_uid == uid
         except OSError:  # gone meanwhile
             continue
-        if match and mine and not _alive(int(match.group(1))):
+        if match and mine and not _owner_alive(int(match.group(1)), match.group(2)):
             removed += _unlink(path.name)
+    for path in SHM_DIR.glob(f"{SEGMENT_PREFIX}*.lock"):  # after their segments: a lock left alone means alive
+        match = _LOCK_NAME.match(path.name)
+        if match and not _owner_alive(int(match.group(1)), match.group(2)):
+            _unlink(path.name)
     if removed:
         log.info("removed %d shared-memory KV segments left by dead processes", removed)
     return removed
+
+
+def _owner_alive(pid: int, tag: str) -> bool:
+    """Whether the owner of the segments tagged `tag` lives: its lock is held. Without a lock file (an owner that
+    could not make one), whether its pid lives in this pid namespace."""
+    try:
+        fd = os.open(SHM_DIR / f"{SEGMENT_PREFIX}{pid}-{tag}.lock", os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return _alive(pid)
+    except OSError:  # another user's lock: not ours to judge
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by its owner (this process too) while it lives
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def _alive(pid: int) -> bool:

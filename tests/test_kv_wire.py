@@ -531,6 +531,27 @@ def test_prefill_lets_go_of_segments_decode_retired() -> None:
         pool.close()
 
 
+def test_an_owner_is_known_dead_by_its_free_lock_even_where_its_pid_lives() -> None:
+    """A decode container SIGKILLed beside another that shares its /dev/shm volume: its pid (each container
+    counts from 1) may well be alive here. Its lock file is what tells: nobody holds it any more."""
+    live = SEGMENTS.acquire(1)  # this process's own segment: its owner lock is held
+    pid, tag = os.getpid(), "0badc0de"  # a live pid, a dead owner
+    lock = buffers.SHM_DIR / f"{buffers.SEGMENT_PREFIX}{pid}-{tag}.lock"
+    orphan = buffers.SHM_DIR / f"{buffers.SEGMENT_PREFIX}{pid}-{tag}{'12' * 4}"
+    lock.write_bytes(b"")
+    orphan.write_bytes(b"left by a killed container")
+    try:
+        assert buffers.remove_orphans() >= 1
+        assert not orphan.exists() and not lock.exists()
+        assert (buffers.SHM_DIR / str(live.name)).exists()  # its owner's lock is held: kept
+        own_lock = buffers.SHM_DIR / f"{buffers.SEGMENT_PREFIX}{pid}-{str(live.name)[-16:-8]}.lock"
+        assert own_lock.exists()
+    finally:
+        orphan.unlink(missing_ok=True)
+        lock.unlink(missing_ok=True)
+        SEGMENTS.release(live)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a segment owned by another user")
 def test_another_users_segment_in_dev_shm_is_left_alone_by_the_startup_sweep() -> None:
     # 1. /dev/shm holds two segments of a dead pid: one another user's (nobody's), one this user's.
