@@ -485,6 +485,13 @@ PDS_AVX2 inline __m256 load8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+PDS_AVX2 inline float hmax8(__m256 x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
 PDS_AVX2 inline float hsum8(__m256 x) {
   __m128 m = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
   m = _mm_add_ps(m, _mm_movehl_ps(m, m));
@@ -562,10 +569,7 @@ PDS_AVX2 void attend_avx2(const Args<T>& a, int64_t b, int64_t kvh, Scratch& s) 
     for (int64_t i = length; i < padded; ++i) sg[i] = -std::numeric_limits<float>::infinity();
     __m256 max = neg_inf;
     for (int64_t i = 0; i < padded; i += 8) max = _mm256_max_ps(max, _mm256_loadu_ps(sg + i));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(max), _mm256_extractf128_ps(max, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const __m256 m = _mm256_set1_ps(_mm_cvtss_f32(m4));
+    const __m256 m = _mm256_set1_ps(hmax8(max));
     __m256 sum = _mm256_setzero_ps();
     for (int64_t i = 0; i < padded; i += 8) {
       __m256 p = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(sg + i), m));
