@@ -61,7 +61,7 @@ bench: install
 
 lint: install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy gateway prefill_service decode_service engine kv_wire model_runner pdserve bench
+	$(VENV)/bin/mypy gateway prefill_service decode_service engine kv_wire model_runner serving pdserve bench
 
 clean:
 	rm -rf $(VENV) protos/*_pb2*.py protos/*_pb2*.pyi

@@ -33,8 +33,8 @@ from bench.scenarios import percentile
 from model_runner.loading import DEFAULT_MODEL, resolve_model
 from pdserve.cluster import Cluster, ClusterConfig, Service, _await_ready, _spawn, start, stop_all, wait_healthy
 from pdserve.faults import FaultProxy
-from pdserve.metrics import scrape
 from protos import gateway_pb2, gateway_pb2_grpc
+from serving.metrics import scrape
 
 LIVE = ("pdserve_live_requests", "pdserve_live_prefills", "pdserve_queued_tokens", "pdserve_live_reservations",
         "pdserve_live_sequences", "pdserve_live_kv_bytes", "pdserve_live_buffer_bytes")

@@ -57,11 +57,11 @@ from kv_wire.buffers import SegmentMaps
 from kv_wire.layout import DEFAULT_CHUNK_BYTES, KVLayout
 from kv_wire.sender import Item, KVSender, encode_stream
 from model_runner.loading import DEFAULT_MODEL, DTYPES, resolve_model
-from pdserve import memory
 from pdserve.cluster import Service, _await_ready, _spawn, stop_all
-from pdserve.serving import MESSAGE_LIMITS
 from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, worker_pb2
 from protos import kv_transfer_pb2 as pb
+from serving import memory
+from serving.server import MESSAGE_LIMITS
 
 TOKENS = (512, 2048, 8000)
 HEADLINE_TOKENS = 2048

@@ -26,7 +26,7 @@ from bench.scenarios import percentile
 from model_runner.loading import DEFAULT_MODEL, resolve_model
 from pdserve.client import generate
 from pdserve.cluster import ClusterConfig, start
-from pdserve.metrics import scrape
+from serving.metrics import scrape
 
 MODES = ("off", "on")
 

@@ -3,7 +3,7 @@
 import sys
 
 from decode_service.server import DecodeConfig, serve
-from pdserve.serving import main
+from serving.server import main
 
 if __name__ == "__main__":
     main("python -m decode_service", __doc__, DecodeConfig, serve, sys.argv[1:])

@@ -47,12 +47,13 @@ from kv_wire.receiver import KVReceiver, ReceivedKV
 from model_runner.forward import warm_up
 from model_runner.loading import LoadedModel, ModelConfig, add_model_args, model_config
 from model_runner.paged_cache import BLOCK_SIZE
-from pdserve import logs, serving, tracing
-from pdserve.metrics import Metrics
-from pdserve.serving import MAX_MESSAGE_BYTES, ServerConfig, add_server_args, server_config
-from pdserve.tls import require_peer
 from protos import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, worker_pb2
 from protos.convert import model_info, sampling_from_pb
+from serving import logs, tracing
+from serving import server as serving
+from serving.metrics import Metrics
+from serving.server import MAX_MESSAGE_BYTES, ServerConfig, add_server_args, server_config
+from serving.tls import require_peer
 
 log = logging.getLogger(__name__)
 

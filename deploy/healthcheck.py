@@ -1,7 +1,7 @@
 """The image's HEALTHCHECK: `pdserve health ADDRESS`, without the CLI's imports.
 
 `pdserve health` loads the whole CLI, torch included: ~2 s of CPU per probe, every interval, in every container.
-This asks the same grpc.health.v1 question with only grpc and pdserve.tls loaded (~0.2 s), over mutual TLS when
+This asks the same grpc.health.v1 question with only grpc and serving.tls loaded (~0.2 s), over mutual TLS when
 PDSERVE_TLS_CERT, _KEY and _CA are set, and exits as `pdserve health` does: 0 when SERVING, 1 otherwise.
 """
 
@@ -13,7 +13,7 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve import tls
+from serving import tls
 
 
 def main() -> int:

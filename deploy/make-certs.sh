@@ -2,7 +2,7 @@
 # A development CA and one certificate per role, for pdserve's mutual TLS:
 #   deploy/make-certs.sh DIR
 # writes DIR/ca.pem (+ ca-key.pem) and, for each of gateway, prefill, decode and client, NAME.pem and NAME-key.pem.
-# Each certificate's common name is its role, which is how the services authorise one another (pdserve/tls.py),
+# Each certificate's common name is its role, which is how the services authorise one another (serving/tls.py),
 # and it is valid for the DNS names NAME and localhost and the address 127.0.0.1; add names with
 # PDSERVE_CERT_SANS="DNS:gateway.example.com,IP:10.0.0.5". For production, use your own CA (cert-manager, ...).
 set -euo pipefail

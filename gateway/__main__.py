@@ -3,7 +3,7 @@
 import sys
 
 from gateway.server import GatewayConfig, serve
-from pdserve.serving import main
+from serving.server import main
 
 if __name__ == "__main__":
     main("python -m gateway", __doc__, GatewayConfig, serve, sys.argv[1:])

@@ -20,9 +20,9 @@ from opentelemetry import trace
 
 from gateway.request import GenerateParams
 from gateway.workers import PairBreakers, Pool, Worker
-from pdserve import tracing
 from protos import decode_pb2, prefill_pb2
 from protos.convert import sampling_to_pb
+from serving import tracing
 
 log = logging.getLogger(__name__)
 

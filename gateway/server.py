@@ -50,10 +50,11 @@ from gateway.request import (
 )
 from gateway.workers import Keepalive, PairBreakers, Pool, check_pairing
 from model_runner.loading import DEFAULT_MODEL, resolve_model
-from pdserve import logs, serving, tracing
-from pdserve.metrics import Metrics
-from pdserve.serving import ServerConfig, add_server_args, server_config
 from protos import gateway_pb2, gateway_pb2_grpc, worker_pb2
+from serving import logs, tracing
+from serving import server as serving
+from serving.metrics import Metrics
+from serving.server import ServerConfig, add_server_args, server_config
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from model_runner.prefix_cache import block_names
-from pdserve.serving import MESSAGE_LIMITS
-from pdserve.tls import TLS, aio_channel
 from protos import decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
+from serving.server import MESSAGE_LIMITS
+from serving.tls import TLS, aio_channel
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class Keepalive:
     UNAVAILABLE instead of waiting forever. Pings go out with or without calls and however long no data moved
     (a first token can wait long in a prefill queue). The workers must accept pings this often."""
 
-    time_s: float = 20.0  # as the workers ping their own idle peers (pdserve/serving.py)
+    time_s: float = 20.0  # as the workers ping their own idle peers (serving/server.py)
     timeout_s: float = 10.0
 
     def __post_init__(self) -> None:

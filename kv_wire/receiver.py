@@ -6,7 +6,7 @@ every checksum right, the totals equal. Any violation raises KVTransferError wit
 The received bytes are the KV, verified where they landed and never copied on this side: the engine copies
 them straight into the sequence's slot when it joins.
 - gRPC: each chunk is a view of its message (see codec.py), kept. That is only fast because the messages land
-  in warm heap pages (pdserve/memory.py); left at glibc's defaults, every message got fresh pages and holding
+  in warm heap pages (serving/memory.py); left at glibc's defaults, every message got fresh pages and holding
   them measured 2-4x slower than copying them into a warm staging buffer.
 - Shared memory: each chunk is verified in the lent segment, which stays lent until the join. Verified bytes
   can only change if a writer writes after its trailer, which pdserve's sender never does; a segment whose

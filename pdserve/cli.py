@@ -11,7 +11,7 @@ import time
 import grpc
 
 from model_runner.loading import DEFAULT_MODEL, DTYPES
-from pdserve import tls
+from serving import tls
 
 DEFAULT_TRACE_DIR = ".pdserve/traces"
 DEMO_PROMPT = "<|im_start|>user\nExplain in two sentences why the sky is blue.<|im_end|>\n<|im_start|>assistant\n"

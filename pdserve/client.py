@@ -6,8 +6,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.tls import TLS, channel
 from protos import gateway_pb2, gateway_pb2_grpc
+from serving.tls import TLS, channel
 
 
 @dataclass

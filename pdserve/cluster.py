@@ -15,10 +15,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from model_runner.loading import DEFAULT_MODEL, DTYPES, resolve_model
-from pdserve import tracing
-from pdserve.logs import LOG_FORMAT_ENV
-from pdserve.tls import TLS
-from pdserve.tls import channel as tls_channel
+from serving import tracing
+from serving.logs import LOG_FORMAT_ENV
+from serving.tls import TLS
+from serving.tls import channel as tls_channel
 
 COLOCATED_CHUNK = 32  # tokens: ~40 ms of bf16 prefill on one core, the most a decode step waits for one
 

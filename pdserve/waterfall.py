@@ -1,6 +1,6 @@
 """`pdserve trace REQUEST_ID`: a request's span tree as a terminal waterfall, read from a local trace capture.
 
-The capture is the OTLP JSON lines each service appends under `PDSERVE_TRACE_DIR` (pdserve/tracing.py), which
+The capture is the OTLP JSON lines each service appends under `PDSERVE_TRACE_DIR` (serving/tracing.py), which
 `pdserve cluster --trace-dir DIR` turns on for every process it starts. The request's trace is the one whose
 spans carry `pdserve.request_id` = REQUEST_ID (the latest, if a request id was reused).
 """

@@ -2,8 +2,8 @@
 
 import sys
 
-from pdserve.serving import main
 from prefill_service.server import PrefillConfig, serve
+from serving.server import main
 
 if __name__ == "__main__":
     main("python -m prefill_service", __doc__, PrefillConfig, serve, sys.argv[1:])

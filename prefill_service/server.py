@@ -41,9 +41,12 @@ from model_runner import forward
 from model_runner.loading import LoadedModel, ModelConfig, add_model_args, model_config
 from model_runner.prefix_cache import PrefixCache
 from model_runner.sampling import SamplingParams
-from pdserve import logs, serving, tracing
-from pdserve.metrics import Metrics
-from pdserve.serving import (
+from protos import prefill_pb2, prefill_pb2_grpc, worker_pb2
+from protos.convert import model_info, sampling_from_pb
+from serving import logs, tracing
+from serving import server as serving
+from serving.metrics import Metrics
+from serving.server import (
     CHANNEL_KEEPALIVE,
     MAX_MESSAGE_BYTES,
     MESSAGE_LIMITS,
@@ -51,9 +54,7 @@ from pdserve.serving import (
     add_server_args,
     server_config,
 )
-from pdserve.tls import aio_channel, require_peer
-from protos import prefill_pb2, prefill_pb2_grpc, worker_pb2
-from protos.convert import model_info, sampling_from_pb
+from serving.tls import aio_channel, require_peer
 
 log = logging.getLogger(__name__)
 

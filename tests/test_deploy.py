@@ -13,8 +13,8 @@ import yaml
 
 from decode_service.server import DecodeConfig
 from gateway.server import GatewayConfig
-from pdserve.serving import parse_config
 from prefill_service.server import PrefillConfig
+from serving.server import parse_config
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 CONFIGS = {"gateway": GatewayConfig, "prefill_service": PrefillConfig, "decode_service": DecodeConfig}

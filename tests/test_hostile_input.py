@@ -29,8 +29,8 @@ from transformers import AutoTokenizer
 from gateway.openai_api import MAX_BODY_BYTES
 from gateway.request import MAX_MESSAGES, InvalidRequest, max_prompt_chars, parse_request
 from pdserve.cluster import Cluster
-from pdserve.serving import MAX_MESSAGE_BYTES
 from protos import gateway_pb2, gateway_pb2_grpc
+from serving.server import MAX_MESSAGE_BYTES
 from tests.conftest import assert_nothing_held, start_cluster
 from tests.test_metrics import _live
 

@@ -1,4 +1,4 @@
-"""The heap setting every pdserve process makes (pdserve/memory.py): KV-sized blocks come from the warm heap."""
+"""The heap setting every pdserve process makes (serving/memory.py): KV-sized blocks come from the warm heap."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 # In a fresh interpreter: tune (or not), then allocate a KV chunk's worth of bytes and ask glibc where it went.
 _PROBE = """
 import ctypes, json, sys
-from pdserve import memory
+from serving import memory
 tuned = memory.keep_heap_warm() if sys.argv[1] == "tune" else False
 
 class MallInfo2(ctypes.Structure):

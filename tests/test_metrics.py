@@ -9,8 +9,8 @@ import pytest
 
 from pdserve.client import generate, stream
 from pdserve.cluster import Cluster, Service
-from pdserve.metrics import scrape
 from protos import decode_pb2_grpc, kv_transfer_pb2
+from serving.metrics import scrape
 from tests.conftest import assert_nothing_held
 
 LIVE = {"gateway": ["pdserve_live_requests"], "prefill": ["pdserve_live_prefills", "pdserve_queued_tokens"],

@@ -16,8 +16,8 @@ import grpc
 import pytest
 
 from pdserve.cluster import Cluster
-from pdserve.tls import TLS, channel
 from protos import decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from serving.tls import TLS, channel
 from tests.conftest import assert_nothing_held, start_cluster
 from tests.test_decode_handoff import _kv_stream, _reserve
 

@@ -21,7 +21,7 @@ from model_runner.loading import LoadedModel, ModelConfig
 from model_runner.prefix_cache import PrefixCache, block_names
 from pdserve.client import generate
 from pdserve.cluster import Cluster
-from pdserve.metrics import scrape
+from serving.metrics import scrape
 from tests.conftest import assert_nothing_held, start_cluster
 from tests.test_generate_e2e import hf_greedy
 from tests.test_prefill_engine import _Recorder

@@ -17,7 +17,7 @@ from engine.core import EngineCore
 from engine.prompts import Prefilled, PromptJob
 from model_runner.loading import ModelConfig
 from model_runner.sampling import SamplingParams
-from pdserve import serving
+from serving import server as serving
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 

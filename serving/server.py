@@ -19,9 +19,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from pdserve import logs, memory, tls, tracing
-from pdserve.metrics import Metrics
-from pdserve.tls import TLS
+from serving import logs, memory, tls, tracing
+from serving.metrics import Metrics
+from serving.tls import TLS
 
 MAX_MESSAGE_BYTES = 8 << 20  # KV chunks are 768 KiB by default, 4 MiB at most; anything near this limit is malformed
 # The message limits every pdserve server and channel runs with.

@@ -1,0 +1,1 @@
+"""What every service process shares: serve() and its health, TLS, tracing, metrics, logs and heap settings."""
