@@ -352,7 +352,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self, request: worker_pb2.WorkerInfoRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerInfo:
         return worker_pb2.WorkerInfo(role="prefill", model=model_info(self.spec), live_sequences=self.engine.live_jobs,
-                                     queued_tokens=self.engine.queued_tokens, pid=os.getpid())
+                                     queued_tokens=self.engine.queued_tokens, pid=os.getpid(),
+                                     prefix_block_tokens=self.config.prefix_block_tokens)
 
     async def close(self) -> None:
         for channel in self._channels.values():
