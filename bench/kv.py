@@ -53,8 +53,8 @@ import uvloop
 
 from bench.report import add_output_args, publish
 from kv_wire import codec
-from kv_wire.buffers import SegmentMaps
 from kv_wire.layout import DEFAULT_CHUNK_BYTES, KVLayout
+from kv_wire.segments import SegmentMaps
 from kv_wire.sender import Item, KVSender, encode_stream
 from model_runner.loading import DEFAULT_MODEL, DTYPES, resolve_model
 from pdserve.cluster import Service, _await_ready, _spawn, stop_all

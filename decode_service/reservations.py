@@ -16,8 +16,8 @@ from typing import Any
 
 import grpc
 
-from kv_wire.buffers import Buffer
 from kv_wire.layout import KVTransferError
+from kv_wire.segments import Segment
 from model_runner.sampling import SamplingParams
 
 
@@ -51,7 +51,7 @@ class Reservation:
     expires_at: float  # time.monotonic() by which the KV must have arrived
     phase: Phase = Phase.WAITING
     sequence: Any = None  # the engine's Sequence once admitted
-    segment: Buffer | None = None  # shared-memory segment lent to prefill until the KV is admitted
+    segment: Segment | None = None  # shared-memory segment lent to prefill until the KV is admitted
     transfer: asyncio.Task | None = None  # the TransferKV handler that claimed this reservation
     # What the Generate stream relays: (token_ids, finish_reason) tuples or one Failure.
     events: asyncio.Queue[tuple[list[int], str] | Failure] = field(default_factory=asyncio.Queue)

@@ -40,10 +40,10 @@ from decode_service.reservations import (
 )
 from engine.core import EngineCore
 from engine.sequence import FAILED, Sequence
-from kv_wire import buffers, codec
-from kv_wire.buffers import Buffer, BufferPool
+from kv_wire import codec, segments
 from kv_wire.layout import MAX_CHUNK_BYTES, KVTransferError, TransferState
 from kv_wire.receiver import KVReceiver, ReceivedKV
+from kv_wire.segments import Segment, SegmentPool
 from model_runner.forward import warm_up
 from model_runner.loading import LoadedModel, ModelConfig, add_model_args, model_config
 from model_runner.paged_cache import BLOCK_SIZE
@@ -154,7 +154,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                  kv_warm_bytes=min(int(config.kv_warm_mb * (1 << 20)), budget),
                                  on_step=self._observe_step)
         keep = int(config.buffer_keep_mb * (1 << 20))
-        self.segments = BufferPool(keep_bytes=keep) if config.kv_shm and buffers.SHM_DIR.is_dir() else None
+        self.segments = SegmentPool(keep_bytes=keep) if config.kv_shm and segments.SHM_DIR.is_dir() else None
         self.metrics = Metrics(
             gauges={
                 "pdserve_live_reservations": ("reservations waiting for or receiving KV",
@@ -269,7 +269,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             segment = await asyncio.shield(acquiring)
         except asyncio.CancelledError:
             # The request ended while the segment was being made; the thread still finishes: take it back then.
-            def give_back(done: asyncio.Future[Buffer]) -> None:
+            def give_back(done: asyncio.Future[Segment]) -> None:
                 if not done.cancelled() and done.exception() is None:
                     pool.release(done.result())
 
@@ -278,14 +278,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         except OSError as exc:  # /dev/shm full or unavailable: this request's KV comes over gRPC
             log.warning("no shared-memory segment for request %r: %s", reservation.params.request_id, exc)
             return
-        buffers.stamp(segment, reservation.token)
+        segments.stamp(segment, reservation.token)
         reservation.segment = segment
 
-    def _take_segment_back(self, reservation: Reservation) -> Buffer | None:
+    def _take_segment_back(self, reservation: Reservation) -> Segment | None:
         """Unstamp the reservation's segment (a writer checks the stamp between layers) and hand it over."""
         segment, reservation.segment = reservation.segment, None
         if segment is not None:
-            buffers.stamp(segment, None)
+            segments.stamp(segment, None)
         return segment
 
     def _retire_segment(self, reservation: Reservation) -> None:
@@ -535,7 +535,7 @@ def _loop_time(monotonic_deadline: float) -> float:
 
 
 async def serve(config: DecodeConfig) -> None:
-    buffers.remove_orphans()  # segments a killed worker left in /dev/shm
+    segments.remove_orphans()  # segments a killed worker left in /dev/shm
     runner = await asyncio.to_thread(config.model.load)
     await asyncio.to_thread(warm_up, runner)
     servicer = DecodeServicer(config, runner)

@@ -24,9 +24,9 @@ import grpc
 import numpy as np
 import torch
 
-from kv_wire.buffers import Buffer, data_region
 from kv_wire.codec import Chunk
 from kv_wire.layout import LOSSY_WIRE_DTYPES, WIRE_DTYPES, KVLayout, KVTransferError, TransferState, checksum
+from kv_wire.segments import Segment, data_region
 from model_runner.loading import ModelSpec
 from model_runner.paged_cache import KVPieces
 from protos import kv_transfer_pb2 as pb
@@ -66,7 +66,7 @@ class KVReceiver:
         self.chunks_received = 0
         self.failure: grpc.StatusCode | None = None  # why it failed
 
-    def accept_header(self, header: pb.KVHeader, reserved_tokens: int, segment: Buffer | None) -> KVLayout:
+    def accept_header(self, header: pb.KVHeader, reserved_tokens: int, segment: Segment | None) -> KVLayout:
         """Check the header against this worker's model and the reservation.
 
         `segment` is the shared-memory segment lent to the reservation, if any.

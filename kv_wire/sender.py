@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from kv_wire import codec
-from kv_wire.buffers import LentSegment
 from kv_wire.layout import WIRE_DTYPES, KVLayout, KVTransferError, TransferState, checksum, copy_with_checksum
+from kv_wire.segments import SegmentView
 from protos import kv_transfer_pb2 as pb
 
 _KINDS = (pb.KV_KIND_KEYS, pb.KV_KIND_VALUES)
@@ -32,7 +32,7 @@ class KVSender:
     layout: KVLayout
     chunk_bytes: int
     trace_context: dict[str, str] = field(default_factory=dict)
-    segment: LentSegment | None = None
+    segment: SegmentView | None = None
     state: TransferState = TransferState.WAITING
     bytes_sent: int = 0
     chunks_sent: int = 0
@@ -96,7 +96,7 @@ class KVSender:
     def _write_to_segment(self, layers: Sequence[Layer]) -> Iterator[list[pb.KVChunk]]:
         """Each tensor copied into its place in decode's segment, described by one chunk (the unit of checksum).
 
-        A tensor already in its place (the forward pass wrote it there: LentSegment.tensors) is only hashed."""
+        A tensor already in its place (the forward pass wrote it there: SegmentView.tensors) is only hashed."""
         assert self.segment is not None
         batch: list[pb.KVChunk] = []
         for index, kind, raw in self._tensors(layers):

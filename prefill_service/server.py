@@ -34,8 +34,8 @@ from opentelemetry.trace import SpanKind
 from engine.core import EngineCore
 from engine.prompts import Abandoned, Prefilled, PromptJob, QueueFull
 from kv_wire import codec
-from kv_wire.buffers import SegmentMaps
 from kv_wire.layout import DEFAULT_CHUNK_BYTES, LOSSY_WIRE_DTYPES, KVLayout, TransferState
+from kv_wire.segments import SegmentMaps
 from kv_wire.sender import Item, KVSender, encode_stream
 from model_runner import forward
 from model_runner.loading import LoadedModel, ModelConfig, add_model_args, model_config

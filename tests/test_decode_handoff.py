@@ -11,9 +11,9 @@ import grpc
 import pytest
 import torch
 
-from kv_wire import buffers, codec
-from kv_wire.buffers import LentSegment, SegmentMaps
+from kv_wire import codec, segments
 from kv_wire.layout import KVLayout
+from kv_wire.segments import SegmentMaps, SegmentView
 from kv_wire.sender import KVSender
 from pdserve.client import generate
 from pdserve.cluster import Cluster
@@ -42,7 +42,7 @@ def _layout(stub) -> tuple[worker_pb2.ModelInfo, KVLayout]:
     return model, KVLayout(model.num_layers, model.num_kv_heads, model.head_dim, PROMPT_TOKENS, model.dtype)
 
 
-def _kv_stream(stub, request_id: str, token: str, fingerprint: str | None = None, segment: LentSegment | None = None,
+def _kv_stream(stub, request_id: str, token: str, fingerprint: str | None = None, segment: SegmentView | None = None,
                layers: int | None = None) -> list[kv_transfer_pb2.KVTransfer]:
     """As prefill sends it, one layer at a time as each is produced; into `segment` if given (descriptors on the
     wire). With `layers`, only that many layers are sent, and the stream stops there (a writer that never
@@ -250,7 +250,7 @@ def test_admitted_kv_gives_its_segment_back_and_an_unfinished_writer_retires_its
     # A writer that wrote a layer and never finished: the request ends, and its segment is never lent again.
     _, lent = _shm_kv_stream(decode, "segment-reused", again.token, again.shm_segment, layers=1)
     call.cancel()
-    path = buffers.SHM_DIR / again.shm_segment
+    path = segments.SHM_DIR / again.shm_segment
     deadline = time.monotonic() + 10
     while path.exists() and time.monotonic() < deadline:
         time.sleep(0.02)

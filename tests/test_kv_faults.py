@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kv_wire import buffers
+from kv_wire.segments import SEGMENT_PREFIX, SHM_DIR
 from pdserve.client import generate
 from pdserve.cluster import _await_ready, _spawn, stop_all
 from pdserve.faults import FaultProxy
@@ -59,7 +59,7 @@ def test_killing_prefill_mid_transfer_leaves_decode_holding_nothing_once_the_lea
             generate = decode.Generate(decode_pb2.DecodeRequest(
                 request_id="doomed", prompt_tokens=len(prompt), max_tokens=4, sampling=GREEDY), timeout=60)
             reservation = next(generate).reserved
-            assert bool(reservation.shm_segment) and buffers.SHM_DIR.joinpath(reservation.shm_segment).exists()
+            assert bool(reservation.shm_segment) and SHM_DIR.joinpath(reservation.shm_segment).exists()
             prefill_call = prefill.Prefill(prefill_pb2.PrefillRequest(
                 request_id="doomed", token_ids=prompt, sampling=GREEDY, decode_address=proxy.address,
                 reservation_token=reservation.token, shm_segment=reservation.shm_segment), timeout=60)
@@ -91,7 +91,7 @@ def test_segments_of_a_killed_decode_worker_are_removed_when_the_next_one_starts
     try:
         with grpc.insecure_channel(cluster.decode[0].address) as channel:
             _, token = _reserve(decode_pb2_grpc.DecodeStub(channel), "orphaned")
-            segments = sorted(buffers.SHM_DIR.glob(f"{buffers.SEGMENT_PREFIX}{cluster.decode[0].process.pid}-*"))
+            segments = sorted(SHM_DIR.glob(f"{SEGMENT_PREFIX}{cluster.decode[0].process.pid}-*"))
             assert segments, "the reservation lent a segment"
             _killed(cluster.decode[0].process)  # with the reservation live: nothing ended it
         assert all(s.exists() for s in segments)  # a SIGKILLed owner cannot clean up

@@ -15,9 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_wire import buffers, codec
+from kv_wire import codec, segments
 from kv_wire import sender as sender_module
-from kv_wire.buffers import Buffer, BufferPool, SegmentMaps
 from kv_wire.layout import (
     COPY_BLOCK_BYTES,
     WIRE_DTYPES,
@@ -28,12 +27,13 @@ from kv_wire.layout import (
     copy_with_checksum,
 )
 from kv_wire.receiver import KVReceiver
+from kv_wire.segments import Segment, SegmentMaps, SegmentPool
 from kv_wire.sender import KVSender, encode_stream, host_bytes
 from model_runner.loading import ModelSpec
 from model_runner.paged_cache import BLOCK_SIZE, PagedKVCache
 from protos import kv_transfer_pb2 as pb
 
-SEGMENTS = BufferPool(keep_bytes=64 << 20)
+SEGMENTS = SegmentPool(keep_bytes=64 << 20)
 TRANSPORTS = ["grpc", "shm"]
 
 
@@ -43,23 +43,23 @@ def _spec(layers: int, heads: int, head_dim: int, dtype: str) -> ModelSpec:
 
 
 @contextmanager
-def _segment(transport: str, nbytes: int) -> Iterator[Buffer | None]:
+def _segment(transport: str, nbytes: int) -> Iterator[Segment | None]:
     """For "shm", a real /dev/shm segment lent to the reservation token "token", taken back afterwards."""
     if transport == "grpc":
         yield None
         return
     segment = SEGMENTS.acquire(nbytes)
-    buffers.stamp(segment, "token")
+    segments.stamp(segment, "token")
     try:
         yield segment
     finally:
-        buffers.stamp(segment, None)
+        segments.stamp(segment, None)
         SEGMENTS.release(segment)
 
 
 def _wire(
     spec: ModelSpec, kv: list[tuple[torch.Tensor, torch.Tensor]], tokens: int, chunk: int,
-    segment: Buffer | None = None, wire_dtype: str = "",
+    segment: Segment | None = None, wire_dtype: str = "",
 ) -> tuple[pb.KVTransfer, list[bytes], pb.KVTransfer]:
     """Header, the messages the sender sends when every layer is waiting, trailer."""
     layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, tokens, wire_dtype or spec.dtype)
@@ -73,7 +73,7 @@ def _wire(
 
 def _encode(
     spec: ModelSpec, kv: list[tuple[torch.Tensor, torch.Tensor]], tokens: int, chunk: int,
-    segment: Buffer | None = None, wire_dtype: str = "",
+    segment: Segment | None = None, wire_dtype: str = "",
 ) -> list[pb.KVTransfer]:
     """Header, one chunk a message (the receiver takes a KVChunks' chunks as if they came alone), trailer."""
     header, wire, trailer = _wire(spec, kv, tokens, chunk, segment, wire_dtype)
@@ -93,7 +93,7 @@ def _random_kv(spec: ModelSpec, tokens: int) -> list[tuple[torch.Tensor, torch.T
     return [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(spec.num_layers)]
 
 
-def _decode(spec: ModelSpec, messages: list[pb.KVTransfer], tokens: int, segment: Buffer | None = None,
+def _decode(spec: ModelSpec, messages: list[pb.KVTransfer], tokens: int, segment: Segment | None = None,
             max_chunk: int = 1 << 22):
     """Receive as decode does: each message serialised, then decoded by the wire codec (chunks as views)."""
     receiver = KVReceiver(spec, max_chunk)
@@ -142,7 +142,7 @@ def test_round_trip_is_bit_exact(
         if transport == "grpc":
             assert sum(map(len, received.pieces)) == len(chunks)
         else:
-            assert received.pieces[0][0][1].data_ptr() == buffers.data_region(segment, nbytes).ctypes.data
+            assert received.pieces[0][0][1].data_ptr() == segments.data_region(segment, nbytes).ctypes.data
         assert receiver.state is TransferState.COMPLETE
         assert received.first_token == 7 and received.nbytes == nbytes
         for (k, v), (k2, v2) in zip(kv, received.layers()):
@@ -248,39 +248,39 @@ TOKENS = 5
 _TENSOR = KVLayout(SPEC.num_layers, SPEC.num_kv_heads, SPEC.head_dim, TOKENS, SPEC.dtype).tensor_bytes
 
 
-def _good(segment: Buffer | None = None) -> list[pb.KVTransfer]:
+def _good(segment: Segment | None = None) -> list[pb.KVTransfer]:
     torch.manual_seed(0)
     return _encode(SPEC, _random_kv(SPEC, TOKENS), TOKENS, chunk=64, segment=segment)
 
 
 # Each damage takes the messages and the lent segment (None on the gRPC path) and returns the damaged stream.
 # Messages: header, chunks (4 on the shm path: one per tensor; 20 on the gRPC path), trailer.
-def _corrupt(messages: list[pb.KVTransfer], segment: Buffer | None) -> list[pb.KVTransfer]:
+def _corrupt(messages: list[pb.KVTransfer], segment: Segment | None) -> list[pb.KVTransfer]:
     chunk = messages[3].chunk
     if segment is None:
         chunk.data = bytes([chunk.data[0] ^ 1]) + chunk.data[1:]
     else:  # a byte of the chunk flipped in shared memory after the checksum was taken
-        place = buffers.STAMP_BYTES + (chunk.layer * 2 + chunk.kind - 1) * _TENSOR + chunk.offset
+        place = segments.STAMP_BYTES + (chunk.layer * 2 + chunk.kind - 1) * _TENSOR + chunk.offset
         segment.array[place] ^= 1
     return messages
 
 
-def _drop(messages: list[pb.KVTransfer], segment: Buffer | None) -> list[pb.KVTransfer]:
+def _drop(messages: list[pb.KVTransfer], segment: Segment | None) -> list[pb.KVTransfer]:
     del messages[2]
     return messages
 
 
-def _swap(messages: list[pb.KVTransfer], segment: Buffer | None) -> list[pb.KVTransfer]:
+def _swap(messages: list[pb.KVTransfer], segment: Segment | None) -> list[pb.KVTransfer]:
     messages[2], messages[3] = messages[3], messages[2]
     return messages
 
 
-def _duplicate(messages: list[pb.KVTransfer], segment: Buffer | None) -> list[pb.KVTransfer]:
+def _duplicate(messages: list[pb.KVTransfer], segment: Segment | None) -> list[pb.KVTransfer]:
     messages.insert(3, messages[2])
     return messages
 
 
-def _oversized(messages: list[pb.KVTransfer], segment: Buffer | None) -> list[pb.KVTransfer]:
+def _oversized(messages: list[pb.KVTransfer], segment: Segment | None) -> list[pb.KVTransfer]:
     last_chunk = messages[-2].chunk
     if segment is None:
         last_chunk.data += b"\0" * 8
@@ -289,16 +289,16 @@ def _oversized(messages: list[pb.KVTransfer], segment: Buffer | None) -> list[pb
     return messages
 
 
-def _truncate(messages: list[pb.KVTransfer], segment: Buffer | None) -> list[pb.KVTransfer]:
+def _truncate(messages: list[pb.KVTransfer], segment: Segment | None) -> list[pb.KVTransfer]:
     return messages[:3] + [messages[-1]]
 
 
-def _wrong_trailer(messages: list[pb.KVTransfer], segment: Buffer | None) -> list[pb.KVTransfer]:
+def _wrong_trailer(messages: list[pb.KVTransfer], segment: Segment | None) -> list[pb.KVTransfer]:
     messages[-1].trailer.num_chunks += 1
     return messages
 
 
-def _split_element(messages: list[pb.KVTransfer], segment: Buffer | None) -> list[pb.KVTransfer]:
+def _split_element(messages: list[pb.KVTransfer], segment: Segment | None) -> list[pb.KVTransfer]:
     """A chunk that ends inside a float32 element."""
     if segment is None:
         messages[1].chunk.data = messages[1].chunk.data[:-1]
@@ -307,7 +307,7 @@ def _split_element(messages: list[pb.KVTransfer], segment: Buffer | None) -> lis
     return messages
 
 
-def _mixed(messages: list[pb.KVTransfer], segment: Buffer | None) -> list[pb.KVTransfer]:
+def _mixed(messages: list[pb.KVTransfer], segment: Segment | None) -> list[pb.KVTransfer]:
     """A chunk of the other path's kind: data in an shm stream, a length in a gRPC one."""
     if segment is None:
         messages[2].chunk.length = len(messages[2].chunk.data)
@@ -366,7 +366,7 @@ def test_sender_stops_writing_once_decode_takes_the_segment_back() -> None:
         assert lent is not None and SegmentMaps().open(segment.name, "other-token", layout.total_bytes) is None
         sender = KVSender("r1", "token", SPEC.fingerprint, layout, 64, segment=lent)
         list(sender.encode([(0, *kv[0])]))
-        buffers.stamp(segment, None)  # decode released the reservation
+        segments.stamp(segment, None)  # decode released the reservation
         before = segment.array.copy()
         with pytest.raises(KVTransferError) as stopped:
             list(sender.encode([(1, *kv[1])]))
@@ -409,30 +409,30 @@ def test_kv_computed_in_the_segment_is_hashed_where_it_lies_never_copied(
 def test_segments_of_dead_owners_are_removed_and_live_ones_kept() -> None:
     live = SEGMENTS.acquire(1)
     dead_pid = 2**22 + 12345  # above pid_max on Linux defaults: never a live process
-    orphan = buffers.SHM_DIR / f"{buffers.SEGMENT_PREFIX}{dead_pid}-{'ab' * 8}"
+    orphan = segments.SHM_DIR / f"{segments.SEGMENT_PREFIX}{dead_pid}-{'ab' * 8}"
     orphan.write_bytes(b"left by a killed worker")
     try:
-        assert buffers.remove_orphans() >= 1
+        assert segments.remove_orphans() >= 1
         assert not orphan.exists()
-        assert (buffers.SHM_DIR / str(live.name)).exists()
+        assert (segments.SHM_DIR / str(live.name)).exists()
     finally:
         orphan.unlink(missing_ok=True)
         SEGMENTS.release(live)
 
 
-def test_pool_reuses_warm_buffers_and_bounds_what_it_keeps() -> None:
-    pool = BufferPool(keep_bytes=4 << 20)
+def test_pool_reuses_warm_segments_and_bounds_what_it_keeps() -> None:
+    pool = SegmentPool(keep_bytes=4 << 20)
     first = pool.acquire(3 << 20)
     assert first.size == 4 << 20 and pool.held_bytes == 4 << 20
     pool.release(first)
-    second = pool.acquire(1 << 20)  # the idle 4 MiB buffer fits: reused, not a new segment
+    second = pool.acquire(1 << 20)  # the idle 4 MiB segment fits: reused, not a new segment
     assert second is first and pool.idle_bytes == 0
     big = pool.acquire(5 << 20)
     pool.release(second)
     pool.release(big)  # 4 + 8 MiB idle > 4 MiB kept: the largest is unmapped and its name removed
-    assert pool.idle_bytes == 4 << 20 and not (buffers.SHM_DIR / str(big.name)).exists()
+    assert pool.idle_bytes == 4 << 20 and not (segments.SHM_DIR / str(big.name)).exists()
     pool.close()
-    assert not (buffers.SHM_DIR / str(first.name)).exists()
+    assert not (segments.SHM_DIR / str(first.name)).exists()
 
 
 @pytest.mark.parametrize(("field", "value", "code"), [
@@ -512,10 +512,10 @@ def test_codec_turns_garbage_into_malformed_never_an_exception(raw: bytes) -> No
 
 def test_prefill_lets_go_of_segments_decode_retired() -> None:
     # 1. Prefill maps two lent segments; decode then retires one (a cancelled request) and keeps the other.
-    pool = BufferPool(keep_bytes=64 << 20)
+    pool = SegmentPool(keep_bytes=64 << 20)
     retired, kept = pool.acquire(1 << 20), pool.acquire(1 << 20)
-    buffers.stamp(retired, "t1")
-    buffers.stamp(kept, "t2")
+    segments.stamp(retired, "t1")
+    segments.stamp(kept, "t2")
     maps = SegmentMaps()
     try:
         assert maps.open(retired.name, "t1", 1024) is not None and maps.open(kept.name, "t2", 1024) is not None
@@ -536,15 +536,15 @@ def test_an_owner_is_known_dead_by_its_free_lock_even_where_its_pid_lives() -> N
     counts from 1) may well be alive here. Its lock file is what tells: nobody holds it any more."""
     live = SEGMENTS.acquire(1)  # this process's own segment: its owner lock is held
     pid, tag = os.getpid(), "0badc0de"  # a live pid, a dead owner
-    lock = buffers.SHM_DIR / f"{buffers.SEGMENT_PREFIX}{pid}-{tag}.lock"
-    orphan = buffers.SHM_DIR / f"{buffers.SEGMENT_PREFIX}{pid}-{tag}{'12' * 4}"
+    lock = segments.SHM_DIR / f"{segments.SEGMENT_PREFIX}{pid}-{tag}.lock"
+    orphan = segments.SHM_DIR / f"{segments.SEGMENT_PREFIX}{pid}-{tag}{'12' * 4}"
     lock.write_bytes(b"")
     orphan.write_bytes(b"left by a killed container")
     try:
-        assert buffers.remove_orphans() >= 1
+        assert segments.remove_orphans() >= 1
         assert not orphan.exists() and not lock.exists()
-        assert (buffers.SHM_DIR / str(live.name)).exists()  # its owner's lock is held: kept
-        own_lock = buffers.SHM_DIR / f"{buffers.SEGMENT_PREFIX}{pid}-{str(live.name)[-16:-8]}.lock"
+        assert (segments.SHM_DIR / str(live.name)).exists()  # its owner's lock is held: kept
+        own_lock = segments.SHM_DIR / f"{segments.SEGMENT_PREFIX}{pid}-{str(live.name)[-16:-8]}.lock"
         assert own_lock.exists()
     finally:
         orphan.unlink(missing_ok=True)
@@ -557,8 +557,8 @@ def test_another_users_segment_in_dev_shm_is_left_alone_by_the_startup_sweep() -
     # 1. /dev/shm holds two segments of a dead pid: one another user's (nobody's), one this user's.
     nobody = pwd.getpwnam("nobody")
     dead_pid = 2**22 + 4321  # above pid_max on Linux defaults: never a live process
-    theirs = buffers.SHM_DIR / f"{buffers.SEGMENT_PREFIX}{dead_pid}-{'cd' * 8}"
-    ours = buffers.SHM_DIR / f"{buffers.SEGMENT_PREFIX}{dead_pid}-{'ef' * 8}"
+    theirs = segments.SHM_DIR / f"{segments.SEGMENT_PREFIX}{dead_pid}-{'cd' * 8}"
+    ours = segments.SHM_DIR / f"{segments.SEGMENT_PREFIX}{dead_pid}-{'ef' * 8}"
     theirs.write_bytes(b"another user's")
     os.chown(theirs, nobody.pw_uid, nobody.pw_gid)
     ours.write_bytes(b"ours")
@@ -566,7 +566,7 @@ def test_another_users_segment_in_dev_shm_is_left_alone_by_the_startup_sweep() -
         # 2. The sweep a decode worker runs at startup removes its own user's orphan only. (Another user's
         # segment used to be unlinked, or, for a user other than the owner of /dev/shm, to fail the worker's
         # start with a PermissionError from the sticky directory.)
-        assert buffers.remove_orphans() >= 1
+        assert segments.remove_orphans() >= 1
         assert theirs.exists() and not ours.exists()
     finally:
         theirs.unlink(missing_ok=True)

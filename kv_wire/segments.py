@@ -1,8 +1,12 @@
-"""Reusable KV byte buffers: the named shared-memory segments of the same-host path.
+"""Shared-memory segments: where the same-host path's KV lands, named and reused.
 
 Fresh pages cost more than the copy itself (a first write to new memory runs at ~1.5 GB/s on the reference
-machine, a write to warm memory at ~18 GB/s), so every buffer a transfer lands in comes from a pool, sized in
+machine, a write to warm memory at ~18 GB/s), so every segment a transfer lands in comes from a pool, sized in
 power-of-two classes and kept warm between requests.
+
+One concept, one name: a `Segment` is decode's own (it creates, maps and removes it), a `SegmentPool` keeps
+decode's segments warm, `SegmentMaps` are prefill's mappings of them, and a `SegmentView` is prefill's view of
+one segment for the one reservation it is lent to.
 
 Shared-memory segments live in /dev/shm as `pdserve-kv-<owner pid>-<random>`. The decode worker creates and
 owns them: it lends one to a reservation, prefill (on the same host) writes the KV into it, and the
@@ -56,8 +60,8 @@ def stamp_of(reservation_token: str) -> bytes:
     return hashlib.sha256(b"pdserve-kv-segment\0" + reservation_token.encode()).digest()
 
 
-class Buffer:
-    """A named shared-memory segment in /dev/shm, mapped."""
+class Segment:
+    """A named shared-memory segment in /dev/shm, created and mapped by its owner (a decode worker)."""
 
     def __init__(self, size: int, name: str) -> None:
         self.size, self.name = size, name
@@ -83,67 +87,67 @@ class Buffer:
         _unlink(self.name)
 
 
-class BufferPool:
-    """Lends buffers of at least the requested size and keeps returned ones warm, up to `keep_bytes` idle.
+class SegmentPool:
+    """Hands out segments of at least the requested size and keeps returned ones warm, up to `keep_bytes` idle.
 
     Thread-safe: the decode engine returns segments from its own thread, once their KV joined the batch.
     """
 
     def __init__(self, keep_bytes: int) -> None:
         self.keep_bytes = keep_bytes
-        self._idle: list[Buffer] = []
+        self._idle: list[Segment] = []
         self._lock = threading.Lock()
         self.held_bytes = 0
         atexit.register(self.close)  # a normal exit removes the names even if nobody called close()
 
-    def acquire(self, nbytes: int) -> Buffer:
+    def acquire(self, nbytes: int) -> Segment:
         size = size_class(nbytes + STAMP_BYTES)
         with self._lock:
-            fitting = [b for b in self._idle if b.size >= size]
+            fitting = [s for s in self._idle if s.size >= size]
             if fitting:
-                buffer = min(fitting, key=lambda b: b.size)
-                self._idle.remove(buffer)
-                self.held_bytes += buffer.size
-                return buffer
+                segment = min(fitting, key=lambda s: s.size)
+                self._idle.remove(segment)
+                self.held_bytes += segment.size
+                return segment
         name = f"{SEGMENT_PREFIX}{os.getpid()}-{_owner_tag()}{secrets.token_hex(4)}"
-        buffer = Buffer(size, name)  # outside the lock: populating pages takes a while
+        segment = Segment(size, name)  # outside the lock: populating pages takes a while
         with self._lock:
-            self.held_bytes += buffer.size
-        return buffer
+            self.held_bytes += segment.size
+        return segment
 
-    def release(self, buffer: Buffer) -> None:
+    def release(self, segment: Segment) -> None:
         with self._lock:
-            self.held_bytes -= buffer.size
-            self._idle.append(buffer)
-            self._idle.sort(key=lambda b: b.size)
+            self.held_bytes -= segment.size
+            self._idle.append(segment)
+            self._idle.sort(key=lambda s: s.size)
             evicted = []
-            while sum(b.size for b in self._idle) > self.keep_bytes:
+            while sum(s.size for s in self._idle) > self.keep_bytes:
                 evicted.append(self._idle.pop())  # the largest goes first
         for old in evicted:
             old.close()
 
-    def discard(self, buffer: Buffer) -> None:
-        """Take a held buffer out of service for good: unmapped here (once no view is left) and its name removed."""
+    def discard(self, segment: Segment) -> None:
+        """Take a held segment out of service for good: unmapped here (once no view is left) and its name removed."""
         with self._lock:
-            self.held_bytes -= buffer.size
-        buffer.close()
+            self.held_bytes -= segment.size
+        segment.close()
 
     @property
     def idle_bytes(self) -> int:
         with self._lock:
-            return sum(b.size for b in self._idle)
+            return sum(s.size for s in self._idle)
 
     def close(self) -> None:
-        """Free the idle buffers (held ones are freed as they come back: close() is for shutdown)."""
+        """Free the idle segments (held ones are freed as they come back: close() is for shutdown)."""
         with self._lock:
             idle, self._idle = self._idle, []
             self.keep_bytes = 0
-        for buffer in idle:
-            buffer.close()
+        for segment in idle:
+            segment.close()
 
 
 @dataclass
-class LentSegment:
+class SegmentView:
     """Prefill's view of the segment a decode worker lent to one reservation."""
 
     whole: np.ndarray
@@ -179,7 +183,7 @@ class SegmentMaps:
         self._maps: OrderedDict[str, tuple[mmap.mmap, np.ndarray]] = OrderedDict()
         self._lock = threading.Lock()  # the metrics scrape reads `mapped_bytes` from another thread
 
-    def open(self, name: str, reservation_token: str, nbytes: int) -> LentSegment | None:
+    def open(self, name: str, reservation_token: str, nbytes: int) -> SegmentView | None:
         """The segment, if `name` is a segment on this host lent to this reservation with room for `nbytes`."""
         if not _SEGMENT_NAME.match(name):
             return None
@@ -200,7 +204,7 @@ class SegmentMaps:
                 self._evict()
         with self._lock:
             self._maps.move_to_end(name)
-        segment = LentSegment(mapped[1], stamp_of(reservation_token), nbytes)
+        segment = SegmentView(mapped[1], stamp_of(reservation_token), nbytes)
         if segment.whole.size < STAMP_BYTES + nbytes or not segment.still_lent():
             return None
         return segment
@@ -225,14 +229,14 @@ class SegmentMaps:
             self._maps.clear()
 
 
-def stamp(buffer: Buffer, reservation_token: str | None) -> None:
+def stamp(segment: Segment, reservation_token: str | None) -> None:
     """Mark a segment as lent to this reservation, or (None) as taken back."""
     value = stamp_of(reservation_token) if reservation_token is not None else bytes(32)
-    buffer.array[: len(value)] = np.frombuffer(value, dtype=np.uint8)
+    segment.array[: len(value)] = np.frombuffer(value, dtype=np.uint8)
 
 
-def data_region(buffer: Buffer, nbytes: int) -> np.ndarray:
-    return buffer.array[STAMP_BYTES : STAMP_BYTES + nbytes]
+def data_region(segment: Segment, nbytes: int) -> np.ndarray:
+    return segment.array[STAMP_BYTES : STAMP_BYTES + nbytes]
 
 
 _owner: tuple[int, str, int] | None = None  # this process's (pid, tag, lock fd)
