@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
+from gateway.errors import GatewayError, NoDecodeCapacity
 from gateway.request import GenerateParams
 from gateway.workers import PairBreakers, Pool, Worker
 from protos import decode_pb2, prefill_pb2
@@ -39,25 +40,6 @@ _RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EX
 def kv_address(worker: str, kv_port: int) -> str:
     """Where prefill sends a reservation's KV: the decode worker's own KV port, on its host, when it has one."""
     return f"{worker.rpartition(':')[0]}:{kv_port}" if kv_port else worker
-
-
-class GatewayError(Exception):
-    """A request failure with the status the client should see.
-
-    `worker` is the worker that failed, when one did; `retryable` says whether another worker might succeed."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, worker: Worker | None = None,
-                 retryable: bool = False, suspects: tuple[str, ...] = ()) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.worker = worker
-        self.retryable = retryable
-        self.suspects = suspects  # more addresses a retry should avoid
-
-
-class NoDecodeCapacity(GatewayError):
-    """Every decode worker refused the reservation for room: the request waits (`capacity_wait_s`) and asks again."""
 
 
 @dataclass(frozen=True)

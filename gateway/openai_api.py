@@ -29,8 +29,10 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from gateway.request import MAX_MESSAGES, MAX_STOP_STRINGS, InvalidRequest, RequestFailed, check_stop
+from gateway.errors import GatewayError, InvalidRequest
+from gateway.request import MAX_MESSAGES, MAX_STOP_STRINGS, check_stop
 from protos import gateway_pb2
+from protos.types import check_temperature
 
 log = logging.getLogger(__name__)
 
@@ -136,13 +138,13 @@ def error(status: int, message: str, param: str | None = None, code: str | None 
     return web.json_response(_error_body(status, message, param, code), status=status, headers=headers)
 
 
-def _failure(exc: RequestFailed) -> tuple[int, dict[str, Any]]:
+def _failure(exc: GatewayError) -> tuple[int, dict[str, Any]]:
     """The HTTP status and OpenAI error object of a request that failed with a gRPC status."""
     status = _HTTP_STATUS.get(exc.code, 500)
     return status, _error_body(status, exc.message, code=exc.code.name.lower())
 
 
-def _failed(exc: RequestFailed) -> web.Response:
+def _failed(exc: GatewayError) -> web.Response:
     status, body = _failure(exc)
     headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_ms / 1000)))} if status == 429 else None
     return web.json_response(body, status=status, headers=headers)
@@ -219,7 +221,7 @@ class OpenAIServer:
         async with contextlib.aclosing(responses):
             try:  # the first response decides the status: a refusal is an HTTP error, not a stream
                 first = await anext(responses)
-            except RequestFailed as exc:
+            except GatewayError as exc:
                 return _failed(exc)
             reply = _Reply(chat, self.model_name, first.request_id)
             if not stream:
@@ -256,7 +258,7 @@ class OpenAIServer:
             async for response in responses:
                 text.append(response.text)
                 last = response
-        except RequestFailed as exc:
+        except GatewayError as exc:
             return _failed(exc)
         return web.json_response(reply.whole("".join(text), last))
 
@@ -282,7 +284,7 @@ class OpenAIServer:
                         await send(reply.usage_chunk(response.usage))
                     break
                 response = await anext(responses, None)
-        except RequestFailed as exc:  # mid-stream: the status is sent already, so the error is an event
+        except GatewayError as exc:  # mid-stream: the status is sent already, so the error is an event
             await send(_failure(exc)[1])
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
@@ -325,8 +327,11 @@ class OpenAIServer:
                 raise BadParameter(name, f"{name} must be >= {-1 if name == 'top_k' else 0}")
             if name == "max_tokens" and value < 1:
                 raise BadParameter(name, "max_tokens must be >= 1")
-            if name == "temperature" and value < 0:  # checked here: float32 would round -5e-324 to -0.0, allowed
-                raise BadParameter(name, "temperature must be >= 0")
+            if name == "temperature":  # checked here too: float32 would round -5e-324 to -0.0, allowed
+                try:
+                    check_temperature(value)
+                except ValueError as exc:
+                    raise BadParameter(name, str(exc)) from None
             try:
                 if name == "top_k":
                     generate.top_k = max(0, int(value))  # -1 (vLLM's "off") is 0 here

@@ -12,12 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import grpc
 from google.protobuf.message import DecodeError, Message
 from jinja2 import TemplateError
 
-from model_runner.sampling import SamplingParams
+from gateway.errors import InvalidRequest
 from protos import gateway_pb2
+from protos.types import SamplingParams
 
 DEFAULT_MAX_TOKENS = 128
 MAX_REQUEST_ID_CHARS = 128
@@ -37,20 +37,6 @@ MAX_MESSAGES = 2048
 _TOKENIZING = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
 _T = TypeVar("_T")
 _M = TypeVar("_M", bound=Message)
-
-
-class InvalidRequest(ValueError):
-    """A request the gateway refuses; the message names the field."""
-
-
-class RequestFailed(Exception):
-    """How a request ended when it did not finish: the status its client sees, whatever the transport (gRPC
-    aborts with it; HTTP maps it to a status code and an OpenAI error object). `retry_after_ms` is set when it
-    was refused for load."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, retry_after_ms: int = 0) -> None:
-        super().__init__(message)
-        self.code, self.message, self.retry_after_ms = code, message, retry_after_ms
 
 
 @dataclass(frozen=True)
@@ -168,12 +154,7 @@ async def parse_request(
                              if given else "prompt is empty: give a non-empty prompt, token_ids or messages")
     if request.HasField("max_tokens") and request.max_tokens < 1:
         raise InvalidRequest("max_tokens must be >= 1")
-    temperature = request.temperature if request.HasField("temperature") else 1.0
-    if not 0 <= temperature <= 2:  # also refuses NaN
-        raise InvalidRequest(f"temperature = {temperature} is outside [0, 2]")
-    top_p = request.top_p if request.HasField("top_p") else 1.0
-    if not 0 < top_p <= 1:
-        raise InvalidRequest(f"top_p = {top_p} is outside (0, 1]")
+    sampling = _sampling(request)
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequest(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
     if not request.request_id.isprintable():  # it is logged: a newline in it would forge log lines
@@ -187,15 +168,26 @@ async def parse_request(
     if max_tokens > room:
         raise InvalidRequest(f"max_tokens = {max_tokens} exceeds the {room} tokens the context leaves after a "
                              f"{len(prompt_ids)}-token prompt (context {max_model_len})")
-    seed = request.seed if request.HasField("seed") else secrets.randbits(63)
     return GenerateParams(
         request_id=request.request_id or uuid.uuid4().hex,
         prompt_ids=prompt_ids,
         max_tokens=max_tokens,
-        sampling=SamplingParams(temperature=temperature, top_p=top_p, top_k=request.top_k, seed=seed),
+        sampling=sampling,
         stop=list(request.stop),
         ignore_eos=request.ignore_eos,
     )
+
+
+def _sampling(request: gateway_pb2.GenerateRequest) -> SamplingParams:
+    """The request's sampling parameters, checked by the rules the workers apply (protos/types.py)."""
+    try:
+        return SamplingParams(
+            temperature=request.temperature if request.HasField("temperature") else 1.0,
+            top_p=request.top_p if request.HasField("top_p") else 1.0,
+            top_k=request.top_k,
+            seed=request.seed if request.HasField("seed") else secrets.randbits(63))
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
 
 
 async def _prompt_ids(
@@ -209,7 +201,7 @@ async def _prompt_ids(
         if len(request.prompt) > max_chars:
             raise InvalidRequest(f"prompt is {len(request.prompt)} characters; none over {max_chars} can fit the "
                                  f"model's context of {max_model_len} tokens")
-        prompt_ids = await _off_loop(lambda: list(tokenizer(request.prompt).input_ids))
+        prompt_ids = await _off_loop(lambda: list(tokenizer.encode(request.prompt)))
         if not prompt_ids:
             raise InvalidRequest("prompt tokenizes to no tokens")
         return prompt_ids

@@ -27,6 +27,7 @@ import sys
 import time
 from collections.abc import AsyncGenerator, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -37,23 +38,23 @@ from gateway import journey
 from gateway.admission import Admission, AdmissionConfig, Overloaded
 from gateway.auth import ApiKeys
 from gateway.detokenizer import TextStream
-from gateway.journey import GatewayError, RetryPolicy, Timings
+from gateway.errors import GatewayError, InvalidRequest
+from gateway.journey import RetryPolicy, Timings
 from gateway.openai_api import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HTTP_DEADLINE_S, OpenAIServer
 from gateway.request import (
     GenerateParams,
-    InvalidRequest,
-    RequestFailed,
     Undecodable,
     lenient,
     max_prompt_chars,
     parse_request,
 )
+from gateway.tokenizer import Tokenizer
 from gateway.workers import Keepalive, PairBreakers, Pool, check_pairing
-from model_runner.loading import DEFAULT_MODEL, resolve_model
 from protos import gateway_pb2, gateway_pb2_grpc, worker_pb2
 from serving import logs, tracing
 from serving import server as serving
 from serving.metrics import Metrics
+from serving.models import DEFAULT_MODEL, model_dir
 from serving.server import ServerConfig, add_server_args, server_config
 
 log = logging.getLogger(__name__)
@@ -258,7 +259,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         cancel_deferred = self._writing.pop(task)
                     if cancel_deferred:
                         raise _CancelCall
-        except RequestFailed as exc:
+        except GatewayError as exc:
             hint = (("retry-after-ms", str(exc.retry_after_ms)),) if exc.retry_after_ms else ()
             await context.abort(exc.code, exc.message, trailing_metadata=hint)
         except _CancelCall:  # the stream above is closed (and counted): its worker calls are cancelled
@@ -277,7 +278,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         metadata: Iterable[tuple[str, str | bytes]] | Mapping[str, str] | None = None,
     ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
         """One request's responses, whatever the transport (gRPC here, HTTP in openai_api.py): traced, counted
-        and logged the same way. Ends with RequestFailed when the request is refused or fails; cancelling the
+        and logged the same way. Ends with GatewayError when the request is refused or fails; cancelling the
         caller's task cancels it on every worker. `deadline` is on the event loop's clock; `metadata` may carry
         the client's `traceparent`."""
         # a client's traceparent is honoured: this span joins its trace
@@ -315,7 +316,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             except GeneratorExit:  # closed before its end: the client left mid-write, or a Cancel waited for one
                 cancelled = not finished
                 raise
-            except RequestFailed as exc:
+            except GatewayError as exc:
                 cancelled = exc.code == grpc.StatusCode.CANCELLED  # by a Cancel call
                 span.set_status(trace.Status(trace.StatusCode.ERROR, f"{exc.code.name}: {exc.message}"))
                 log.info("ended with %s: %s", exc.code.name, exc.message)
@@ -344,12 +345,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             params = await parse_request(request, self.tokenizer, self.model.vocab_size, self.model.max_model_len)
         except InvalidRequest as exc:
-            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         trace.get_current_span().set_attribute("pdserve.request_id", params.request_id)
         logs.for_request(params.request_id)
         owned = tenant, params.request_id
         if owned in self._in_flight:
-            raise RequestFailed(grpc.StatusCode.ALREADY_EXISTS, f"request_id {params.request_id!r} is in flight")
+            raise GatewayError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {params.request_id!r} is in flight")
         self._in_flight.add(owned)
         self._tasks[owned] = asyncio.current_task()
         self.metrics.count("pdserve_requests")
@@ -366,18 +367,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         yield response
         except Overloaded as exc:
             self.metrics.count("pdserve_rejections")
-            raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), self.admission.retry_after_ms) from None
+            raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc),
+                               retry_after_ms=self.admission.retry_after_ms) from None
         except GatewayError as exc:
-            retry_after_ms = 0
-            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # no decode room: refused for load, like Overloaded
                 self.metrics.count("pdserve_rejections")
-                retry_after_ms = self.admission.retry_after_ms
-            raise RequestFailed(exc.code, exc.message, retry_after_ms) from None
+                exc.retry_after_ms = self.admission.retry_after_ms
+            raise
         except asyncio.CancelledError:
             if owned in self._cancelled:  # Cancel, not the client: the client gets a status
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
-                raise RequestFailed(grpc.StatusCode.CANCELLED,
-                                    f"request {params.request_id!r} was cancelled by a Cancel call") from None
+                raise GatewayError(grpc.StatusCode.CANCELLED,
+                                   f"request {params.request_id!r} was cancelled by a Cancel call") from None
             raise
         finally:
             self._in_flight.discard(owned)
@@ -452,17 +453,15 @@ def _timing(timings: Timings, arrived: float, first_at: float, generated: int) -
 
 
 async def serve(config: GatewayConfig) -> None:
-    from transformers import AutoTokenizer
-
     # Chat templates render in Python on the tokenizing threads (request.py): such a thread hands the GIL back to
     # the event loop within 1 ms instead of the default 5, and streams keep their pace beside a long conversation.
     sys.setswitchinterval(0.001)
-    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, resolve_model(config.model))
     prefill = Pool("prefill", config.prefill, tls=config.server.tls, prefix_balance_tokens=config.prefix_balance_tokens,
                    keepalive=config.keepalive)
     decode = Pool("decode", config.decode, tls=config.server.tls, keepalive=config.keepalive)
     await asyncio.gather(prefill.fetch_info(config.startup_timeout_s), decode.fetch_info(config.startup_timeout_s))
     model = check_pairing(prefill, decode)
+    tokenizer = await asyncio.to_thread(Tokenizer.from_dir, _tokenizer_dir(config.model))
     max_prompt_chars(tokenizer, model.max_model_len)  # its vocabulary scan holds the GIL ~20 ms: now, not in a request
     servicer = GatewayServicer(tokenizer, model, prefill, decode, config.colocate_below, config.retry,
                                config.admission, ApiKeys.load(config.api_key_file))
@@ -497,6 +496,16 @@ async def serve(config: GatewayConfig) -> None:
         await decode.close()
 
     await serving.serve("gateway", config.server, register, shutdown, servicer.metrics, announce)
+
+
+def _tokenizer_dir(model: str) -> Path:
+    """The model's directory. The gateway never converts the default model: a worker does, before it answers
+    GetInfo, and serve() reads the tokenizer only once workers have answered."""
+    path = model_dir(model)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model {model!r}: {path} holds no converted model yet; a prefill or decode worker "
+                         "converts it when it starts (with PDSERVE_CACHE pointing where this gateway looks)")
+    return path
 
 
 def _model_name(model: str) -> str:

@@ -10,14 +10,14 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from model_runner.prefix_cache import block_names
 from protos import decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
+from protos.types import block_names
 from serving.server import MESSAGE_LIMITS
 from serving.tls import TLS, aio_channel
 
@@ -49,13 +49,27 @@ class Keepalive:
                 ("grpc.http2.max_pings_without_data", 0)]  # default 2: a read-only stream would stop pinging
 
 
-BREAKER_OPEN_S = 1.0  # a failed worker is tried last for this long, doubling per consecutive failure
+BREAKER_OPEN_S = 1.0  # a failed worker or path is tried last for this long, doubling per consecutive failure
 BREAKER_MAX_OPEN_S = 30.0
 
 
-def _open_until(failures: int) -> float:
-    """When a breaker that has seen `failures` consecutive failures closes again (monotonic time)."""
-    return time.monotonic() + min(BREAKER_MAX_OPEN_S, BREAKER_OPEN_S * 2 ** (failures - 1))
+@dataclass
+class Breaker:
+    """A circuit breaker, for a worker or a prefill -> decode path: each consecutive failure opens it for twice as
+    long, a success closes it. What an open breaker guards is tried last, not never: it may be all that is left."""
+
+    failures: int = 0  # consecutive
+    open_until: float = 0.0  # monotonic time
+
+    def failed(self) -> None:
+        self.failures += 1
+        self.open_until = time.monotonic() + min(BREAKER_MAX_OPEN_S, BREAKER_OPEN_S * 2 ** (self.failures - 1))
+
+    def succeeded(self) -> None:
+        self.failures, self.open_until = 0, 0.0
+
+    def is_open(self, now: float | None = None) -> bool:
+        return self.open_until > (time.monotonic() if now is None else now)
 
 
 @dataclass
@@ -64,8 +78,7 @@ class Worker:
     channel: grpc.aio.Channel
     stub: Any  # PrefillStub or DecodeStub
     info: worker_pb2.WorkerInfo | None = None
-    failures: int = 0  # consecutive
-    suspect_until: float = 0.0  # monotonic time; until then the worker goes last
+    breaker: Breaker = field(default_factory=Breaker)  # open: the worker goes last
     health: Any = None  # grpc.health.v1 stub
     serving: bool = True  # its health check says SERVING (False while it drains or is unreachable)
     picked: int = 0  # requests sent its way since `info` was read: the load the next poll will show
@@ -85,32 +98,44 @@ class Worker:
             return (float(info.live_sequences + info.live_reservations + self.picked), used)
         return (float(max(info.queued_tokens, self.prefilling_tokens)), float(info.live_sequences + self.picked))
 
+    @property
+    def prefix_block_tokens(self) -> int:
+        """The size of the worker's prefix-cache blocks (WorkerInfo); 0: it caches no prefixes, or is not known."""
+        return self.info.prefix_block_tokens if self.info is not None else 0
+
     def failed(self) -> None:
         """The worker was unreachable or broke a request: open its breaker (it is still tried as a last resort)."""
-        self.failures += 1
-        self.suspect_until = _open_until(self.failures)
+        self.breaker.failed()
 
     def succeeded(self) -> None:
-        self.failures, self.suspect_until = 0, 0.0
+        self.breaker.succeeded()
+
+    @property
+    def failures(self) -> int:
+        return self.breaker.failures
+
+    @property
+    def suspect_until(self) -> float:
+        return self.breaker.open_until
 
 
-PREFIX_BLOCK_TOKENS = 16  # the gateway's prefix blocks: the prefill workers' default
 PREFIX_INDEX_BLOCKS = 200_000  # block names remembered per worker
 
 
 class PrefixIndex:
-    """Which prompt prefixes the gateway sent to which worker, as chained block names
-    (model_runner/prefix_cache.py): an approximate picture of each worker's prefix cache, kept without asking
+    """Which prompt prefixes the gateway sent to which worker, as chained block names (protos/types.py, in the
+    block size each worker's GetInfo gives): an approximate picture of each worker's prefix cache, kept without asking
     the workers, least recently sent forgotten first (as SGLang's router and llm-d's prefix scorer keep theirs)."""
 
     def __init__(self, capacity: int = PREFIX_INDEX_BLOCKS) -> None:
         self.capacity = capacity
         self._sent: dict[str, collections.OrderedDict[bytes, None]] = {}
 
-    def best(self, names: list[bytes], addresses: list[str]) -> str | None:
-        """The address whose recorded blocks cover the longest prefix of `names`; None when none covers any."""
+    def best(self, candidates: list[tuple[str, list[bytes]]]) -> str | None:
+        """Of (address, the prompt's block names in that worker's block size), the address whose recorded blocks
+        cover the longest prefix of its names; None when none covers any."""
         best, longest = None, 0
-        for address in addresses:
+        for address, names in candidates:
             sent = self._sent.get(address)
             if sent is None:
                 continue
@@ -134,21 +159,21 @@ class PrefixIndex:
 
 
 class PairBreakers:
-    """Breakers for prefill -> decode paths: two workers that each answer may still fail to hand KV over (a
-    broken link between them). A failed pair is tried last for a while, doubling per consecutive failure."""
+    """A Breaker per prefill -> decode path: two workers that each answer may still fail to hand KV over (a
+    broken link between them)."""
 
     def __init__(self) -> None:
-        self._pairs: dict[tuple[str, str], tuple[int, float]] = {}  # (prefill, decode) -> (failures, open until)
+        self._pairs: dict[tuple[str, str], Breaker] = {}  # (prefill, decode) -> its breaker, while not closed
 
     def failed(self, prefill: str, decode: str) -> None:
-        failures = self._pairs.get((prefill, decode), (0, 0.0))[0] + 1
-        self._pairs[prefill, decode] = failures, _open_until(failures)
+        self._pairs.setdefault((prefill, decode), Breaker()).failed()
 
     def succeeded(self, prefill: str, decode: str) -> None:
         self._pairs.pop((prefill, decode), None)
 
     def is_open(self, prefill: str, decode: str) -> bool:
-        return self._pairs.get((prefill, decode), (0, 0.0))[1] > time.monotonic()
+        breaker = self._pairs.get((prefill, decode))
+        return breaker is not None and breaker.is_open()
 
 
 Resolver = Callable[[str, int], list[str]]  # (host, port) -> IP addresses
@@ -253,18 +278,25 @@ class Pool:
         ordered = self.workers[start:] + self.workers[:start]
 
         def healthy(w: Worker) -> bool:  # serving, breaker closed
-            return w.serving and w.suspect_until <= now
+            return w.serving and not w.breaker.is_open(now)
 
         ordered.sort(key=lambda w: (w.address in avoid, not healthy(w), w.load()))  # stable
-        names = block_names(prompt, PREFIX_BLOCK_TOKENS) if prompt and balance_tokens >= 0 else []
-        if names:
+        if prompt and balance_tokens >= 0:
+            blocks: dict[int, list[bytes]] = {}  # block size -> the prompt's names; a pool's workers share one size
+
+            def names(w: Worker) -> list[bytes]:
+                size = w.prefix_block_tokens  # as that worker's GetInfo said
+                if size not in blocks:
+                    blocks[size] = block_names(prompt, size) if size else []
+                return blocks[size]
+
             eligible = [w for w in ordered if w.address not in avoid and healthy(w)]
-            home = self.prefixes.best(names, [w.address for w in eligible])
+            home = self.prefixes.best([(w.address, names(w)) for w in eligible])
             worker = next((w for w in eligible if w.address == home), None)
             if worker is not None and worker.load()[0] <= eligible[0].load()[0] + balance_tokens:
                 ordered.remove(worker)
                 ordered.insert(0, worker)
-            self.prefixes.record(ordered[0].address, names)
+            self.prefixes.record(ordered[0].address, names(ordered[0]))
         ordered[0].picked += 1
         return ordered
 

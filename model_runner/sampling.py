@@ -2,30 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+
+from protos.types import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads consecutive positions over the seed space
 # Temperatures below this are greedy, as in vLLM (its _SAMPLING_EPS): there a float32 softmax already gives exactly 0
 # to every token more than ~1e-3 behind the best one, and dividing by a denormal overflows to inf.
 SAMPLING_EPS = 1e-5
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0  # below SAMPLING_EPS (0 included) means greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 means no top-k cut
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0:  # NaN too
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+__all__ = ["SAMPLING_EPS", "SamplingParams", "sample"]  # SamplingParams lives in protos/types.py
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:

@@ -1,10 +1,10 @@
-"""Protobuf <-> plain types for the messages both worker pools share. Protobuf stops at the servicers."""
+"""Protobuf <-> the plain types of protos/types.py, for the messages both worker pools share. The servicers call
+these; below them code sees plain types only."""
 
 from __future__ import annotations
 
-from model_runner.loading import ModelSpec
-from model_runner.sampling import SamplingParams
 from protos import worker_pb2
+from protos.types import ModelSpec, SamplingParams
 
 
 def sampling_from_pb(message: worker_pb2.SamplingParams) -> SamplingParams:

@@ -1,0 +1,38 @@
+"""How a request ends when it does not finish, in one exception for every stage of the gateway: the status its client
+sees, whatever the transport. The gRPC edge (server.py) aborts with it; the HTTP edge (openai_api.py) maps it to a
+status code and an OpenAI error object."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import grpc
+
+if TYPE_CHECKING:
+    from gateway.workers import Worker
+
+
+class InvalidRequest(ValueError):
+    """A request the gateway refuses; the message names the field. It ends as INVALID_ARGUMENT."""
+
+
+class GatewayError(Exception):
+    """A request failure with the status the client should see.
+
+    Raised inside the journey, `worker` is the worker that failed, when one did, `retryable` says whether another
+    worker might succeed and `suspects` names more addresses a retry should avoid. `retry_after_ms` is set when the
+    request was refused for load (RESOURCE_EXHAUSTED): the client's hint when to come back."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, worker: Worker | None = None,
+                 retryable: bool = False, suspects: tuple[str, ...] = (), retry_after_ms: int = 0) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.worker = worker
+        self.retryable = retryable
+        self.suspects = suspects
+        self.retry_after_ms = retry_after_ms
+
+
+class NoDecodeCapacity(GatewayError):
+    """Every decode worker refused the reservation for room: the request waits (`capacity_wait_s`) and asks again."""
