@@ -21,10 +21,18 @@ from kv_wire.segments import Segment
 from model_runner.sampling import SamplingParams
 
 
-class Phase(enum.Enum):
+class ReservationState(enum.Enum):
+    """Life of a reservation: the capacity held for one request, from Generate's first event to its end.
+
+    Not kv_wire's TransferState, the life of one KV stream: a reservation may see no stream (colocated, or its
+    lease ran out) and a stream may claim no reservation (a forged token). A reservation is TRANSFERRING from
+    the moment a stream claims it; the stream's COMPLETE makes it ADMITTED; a stream that FAILED fails its
+    Generate call instead, which ends in CLOSED like every other ending.
+    """
+
     WAITING = "waiting"  # reserved; no KV yet
     TRANSFERRING = "transferring"  # a KV stream presented the token and is arriving
-    ADMITTED = "admitted"  # KV complete and validated; the sequence is in the engine
+    ADMITTED = "admitted"  # KV complete and validated, or a colocated prompt: the sequence is in the engine
     CLOSED = "closed"  # finished, failed, cancelled or expired: holds nothing
 
 
@@ -49,7 +57,7 @@ class Reservation:
     token: str
     kv_bytes: int
     expires_at: float  # time.monotonic() by which the KV must have arrived
-    phase: Phase = Phase.WAITING
+    state: ReservationState = ReservationState.WAITING
     sequence: Any = None  # the engine's Sequence once admitted
     segment: Segment | None = None  # shared-memory segment lent to prefill until the KV is admitted
     transfer: asyncio.Task | None = None  # the TransferKV handler that claimed this reservation
@@ -58,8 +66,12 @@ class Reservation:
 
     def fail(self, code: grpc.StatusCode, message: str) -> None:
         """Push a failure to the gateway's stream at once (it frees the reservation on its way out)."""
-        if self.phase is not Phase.CLOSED:
+        if self.state is not ReservationState.CLOSED:
             self.events.put_nowait(Failure(code, message))
+
+    def loop_expiry(self) -> float:
+        """`expires_at` on the running event loop's clock."""
+        return asyncio.get_running_loop().time() + (self.expires_at - time.monotonic())
 
 
 class CapacityExhausted(Exception):
@@ -97,18 +109,18 @@ class ReservationTable:
             raise KVTransferError(grpc.StatusCode.PERMISSION_DENIED,
                                   f"no live reservation for request {request_id!r} with this token "
                                   "(forged, expired or already released)")
-        if reservation.phase is not Phase.WAITING:
+        if reservation.state is not ReservationState.WAITING:
             raise KVTransferError(grpc.StatusCode.PERMISSION_DENIED,
                                   f"reservation for request {request_id!r} was already used "
-                                  f"({reservation.phase.value})")
+                                  f"({reservation.state.value})")
         if time.monotonic() >= reservation.expires_at:
             raise KVTransferError(grpc.StatusCode.PERMISSION_DENIED,
                                   f"reservation for request {request_id!r} expired")
-        reservation.phase = Phase.TRANSFERRING
+        reservation.state = ReservationState.TRANSFERRING
         return reservation
 
     def release(self, reservation: Reservation) -> None:
-        reservation.phase = Phase.CLOSED
+        reservation.state = ReservationState.CLOSED
         if self._live.get(reservation.token) is reservation:
             del self._live[reservation.token]
 
@@ -116,5 +128,10 @@ class ReservationTable:
     def kv_bytes(self) -> int:
         return sum(r.kv_bytes for r in self._live.values())
 
-    def count(self, *phases: Phase) -> int:
-        return sum(r.phase in phases for r in self._live.values())
+    def count(self, *states: ReservationState) -> int:
+        return sum(r.state in states for r in self._live.values())
+
+    @property
+    def awaiting_kv(self) -> int:
+        """Reservations waiting for or receiving their KV."""
+        return self.count(ReservationState.WAITING, ReservationState.TRANSFERRING)

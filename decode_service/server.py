@@ -1,12 +1,12 @@
 """Decode service: reserves capacity, receives a request's KV from prefill, and streams its tokens.
 
 Life of a request here:
-1. Generate arrives from the gateway: a slot and KV budget are reserved, the reservation (token + lease) is the
-   stream's first event. No capacity: RESOURCE_EXHAUSTED, nothing held. The reservation also lends a
-   shared-memory segment that a prefill worker on the same host may write the KV into.
-2. TransferKV arrives from prefill: the header must present the reservation's token; every chunk is checked
-   as it lands (its bytes in the message, or in the lent segment). Any fault refuses the stream with its
-   status, frees the partial KV, and fails step 1's stream.
+1. Generate arrives from the gateway: a slot and KV budget are reserved (reservations.py), the reservation
+   (token + lease) is the stream's first event. No capacity: RESOURCE_EXHAUSTED, nothing held. The reservation
+   also lends a shared-memory segment that a prefill worker on the same host may write the KV into (lending.py).
+2. TransferKV arrives from prefill (the KV inbox, inbox.py): the header must present the reservation's token;
+   every chunk is checked as it lands (its bytes in the message, or in the lent segment). Any fault refuses the
+   stream with its status, frees the partial KV, and fails step 1's stream.
 3. The whole KV validated: the sequence joins the engine's continuous batch at the next step.
 4. Each step's token goes out on the Generate stream; eos, max_tokens or the context limit end it.
 5. The Generate call ending for any reason (done, gateway cancel, lease expiry, failure) frees everything.
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import logging
 import os
 import time
@@ -27,23 +26,25 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
-from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
+from decode_service.inbox import KVInbox
+from decode_service.lending import SegmentLender
 from decode_service.reservations import (
     CapacityExhausted,
     DecodeParams,
     Failure,
-    Phase,
     Reservation,
+    ReservationState,
     ReservationTable,
 )
 from engine.core import EngineCore
 from engine.sequence import FAILED, Sequence
+from engine.validation import check_prompt
 from kv_wire import codec, segments
-from kv_wire.layout import MAX_CHUNK_BYTES, KVTransferError, TransferState
-from kv_wire.receiver import KVReceiver, ReceivedKV
-from kv_wire.segments import Segment, SegmentPool
+from kv_wire.layout import MAX_CHUNK_BYTES
+from kv_wire.receiver import ReceivedKV
+from kv_wire.segments import SegmentPool
 from model_runner.forward import warm_up
 from model_runner.loading import LoadedModel, ModelConfig, add_model_args, model_config
 from model_runner.paged_cache import BLOCK_SIZE
@@ -56,8 +57,6 @@ from serving.server import MAX_MESSAGE_BYTES, ServerConfig, add_server_args, ser
 from serving.tls import require_peer
 
 log = logging.getLogger(__name__)
-
-KV_HEADER_TIMEOUT_S = 10.0
 
 DEFAULT_KV_BUDGET_MB = 2048  # the paged KV cache: 64 sequences of ~700 tokens of the default model in fp32
 
@@ -154,19 +153,21 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                  kv_warm_bytes=min(int(config.kv_warm_mb * (1 << 20)), budget),
                                  on_step=self._observe_step)
         keep = int(config.buffer_keep_mb * (1 << 20))
-        self.segments = SegmentPool(keep_bytes=keep) if config.kv_shm and segments.SHM_DIR.is_dir() else None
+        pool = SegmentPool(keep_bytes=keep) if config.kv_shm and segments.SHM_DIR.is_dir() else None
+        self.lender = SegmentLender(pool, spec.kv_bytes_per_token)
         self.metrics = Metrics(
             gauges={
                 "pdserve_live_reservations": ("reservations waiting for or receiving KV",
-                                              lambda: self.table.count(Phase.WAITING, Phase.TRANSFERRING)),
+                                              lambda: self.table.awaiting_kv),
                 "pdserve_live_sequences": ("sequences prefilling, joining or in the batch",
                                            lambda: self.engine.live_sequences),
                 "pdserve_live_kv_bytes": ("KV bytes reserved or admitted", lambda: self.table.kv_bytes),
-                "pdserve_live_buffer_bytes": ("KV transfer buffers lent to live requests", self._buffer_bytes),
+                "pdserve_live_buffer_bytes": ("KV transfer buffers lent to live requests",
+                                              lambda: self.lender.lent_bytes),
                 "pdserve_num_requests_running": ("sequences in the decode batch", lambda: self.engine.running),
                 "pdserve_num_requests_waiting": ("sequences waiting for their KV, or to join the batch",
                                                  lambda: self.engine.live_sequences - self.engine.running
-                                                 + self.table.count(Phase.WAITING, Phase.TRANSFERRING)),
+                                                 + self.table.awaiting_kv),
                 "pdserve_kv_cache_usage_perc": ("fraction of the KV budget reserved or in use",
                                                 lambda: self.table.kv_bytes / self.table.kv_budget_bytes),
             },
@@ -179,6 +180,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                         "pdserve_decode_step_seconds": "one forward pass of the decode batch",
                         "pdserve_decode_batch_size": "sequences in a decode step",
                         "pdserve_request_decode_time_seconds": "a sequence's time in the batch, join to finish"})
+        self.inbox = KVInbox(spec, self.table, self._admit, self.metrics, config.lease_s, config.max_chunk_bytes)
 
     def _observe_step(self, seconds: float, batch: int) -> None:  # engine thread
         self.metrics.observe("pdserve_decode_step_seconds", seconds)
@@ -219,11 +221,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker full: {exc}")
         try:
             if params.prompt:  # colocated: prefilled here, no KV to wait for
-                reservation.phase = Phase.ADMITTED
+                reservation.state = ReservationState.ADMITTED
                 reservation.sequence = self._sequence(reservation, tokens=[])
                 self.engine.submit_prompt(reservation.sequence, list(params.prompt))
             else:
-                await self._lend_segment(reservation)
+                await self.lender.lend(reservation)
             lease_ms = int(self.config.lease_s * 1000)
             yield decode_pb2.DecodeEvent(reserved=decode_pb2.Reservation(
                 token=reservation.token, lease_ms=lease_ms, kv_port=self.kv_port,
@@ -237,7 +239,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             if reservation.sequence is not None:
                 self.engine.abort(reservation.sequence)
                 self._record(reservation.sequence, colocated=bool(params.prompt))
-            self._retire_segment(reservation)  # admitted KV took its segment already
+            self.lender.retire(reservation)  # admitted KV took its segment already
             self.table.release(reservation)
             if reservation.transfer is not None and not reservation.transfer.done():
                 reservation.transfer.cancel()  # a KV stream still arriving for a request nobody waits for
@@ -256,57 +258,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             tracing.record("decode.step", None, started, finished,
                            {"pdserve.step": number, "pdserve.batch_size": batch})
 
-    def _buffer_bytes(self) -> int:
-        return self.segments.held_bytes if self.segments else 0
-
-    async def _lend_segment(self, reservation: Reservation) -> None:
-        if self.segments is None:
-            return
-        pool = self.segments
-        acquiring = asyncio.ensure_future(
-            asyncio.to_thread(pool.acquire, reservation.params.prompt_tokens * self.spec.kv_bytes_per_token))
-        try:
-            segment = await asyncio.shield(acquiring)
-        except asyncio.CancelledError:
-            # The request ended while the segment was being made; the thread still finishes: take it back then.
-            def give_back(done: asyncio.Future[Segment]) -> None:
-                if not done.cancelled() and done.exception() is None:
-                    pool.release(done.result())
-
-            acquiring.add_done_callback(give_back)
-            raise
-        except OSError as exc:  # /dev/shm full or unavailable: this request's KV comes over gRPC
-            log.warning("no shared-memory segment for request %r: %s", reservation.params.request_id, exc)
-            return
-        segments.stamp(segment, reservation.token)
-        reservation.segment = segment
-
-    def _take_segment_back(self, reservation: Reservation) -> Segment | None:
-        """Unstamp the reservation's segment (a writer checks the stamp between layers) and hand it over."""
-        segment, reservation.segment = reservation.segment, None
-        if segment is not None:
-            segments.stamp(segment, None)
-        return segment
-
-    def _retire_segment(self, reservation: Reservation) -> None:
-        """A reservation ended without its KV admitted: a prefill worker may still be writing into its segment
-        (stopped, or between two stamp checks), so the segment is removed, never lent again."""
-        segment = self._take_segment_back(reservation)
-        if segment is not None and self.segments is not None:
-            self.segments.discard(segment)
-
     async def _relay(
         self, reservation: Reservation, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[tuple[list[int], str]]:
         while True:
-            if reservation.phase is Phase.ADMITTED:
+            if reservation.state is ReservationState.ADMITTED:
                 event = await reservation.events.get()
             else:
                 try:
-                    async with asyncio.timeout_at(_loop_time(reservation.expires_at)):
+                    async with asyncio.timeout_at(reservation.loop_expiry()):
                         event = await reservation.events.get()
                 except TimeoutError:
-                    if reservation.phase is Phase.ADMITTED:  # KV arrived just in time; tokens follow
+                    if reservation.state is ReservationState.ADMITTED:  # KV arrived just in time; tokens follow
                         continue
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                         f"KV for request {reservation.params.request_id!r} did not arrive within "
@@ -327,113 +290,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             if reason:
                 return
 
-    async def TransferKV(
-        self, request_iterator: AsyncIterator[codec.Received], context: grpc.aio.ServicerContext
-    ) -> kv_transfer_pb2.KVTransferAck:
-        await require_peer(context, "prefill", "TransferKV")
-        receiver = KVReceiver(self.spec, self.config.max_chunk_bytes)
-        span = _Spans()
-        started = time.perf_counter()
-        try:
-            return await self._transfer_kv(request_iterator, context, receiver, span)
-        finally:
-            span.end(receiver)
-            path = span.transport or "unknown"  # no header, no path
-            self.metrics.count("pdserve_kv_transfer_bytes", receiver.bytes_received, path=path)
-            if receiver.state is TransferState.COMPLETE:
-                self.metrics.observe("pdserve_kv_transfer_seconds", time.perf_counter() - started, path=path)
-            elif receiver.failure not in (None, grpc.StatusCode.CANCELLED):  # refused or stalled, not called off
-                self.metrics.count("pdserve_kv_transfer_failures", path=path)
-
-    async def _transfer_kv(
-        self, request_iterator: AsyncIterator[codec.Received], context: grpc.aio.ServicerContext,
-        receiver: KVReceiver, span: _Spans,
-    ) -> kv_transfer_pb2.KVTransferAck:
-        reservation: Reservation | None = None
-        try:
-            # A stream must present its header at once (prefill opens it with the first layer's KV in hand), and
-            # finish by the reservation's expiry: a stream that sends nothing does not hold a call for a lease.
-            async with asyncio.timeout(min(KV_HEADER_TIMEOUT_S, self.config.lease_s)) as deadline:
-                first = await anext(aiter(request_iterator), None)
-                if isinstance(first, codec.Malformed):
-                    raise receiver.fail(grpc.StatusCode.INVALID_ARGUMENT, first.reason)
-                if not isinstance(first, kv_transfer_pb2.KVTransfer) or first.WhichOneof("part") != "header":
-                    raise receiver.fail(grpc.StatusCode.INVALID_ARGUMENT, "a KV stream must start with a header")
-                span.start(first.header)  # a child of prefill's send span: the header carries its context
-                reservation = self.table.claim(first.header.request_id, first.header.reservation_token)
-                reservation.transfer = asyncio.current_task()  # released mid-stream: this handler is cancelled
-                deadline.reschedule(_loop_time(reservation.expires_at))
-                receiver.accept_header(first.header, reservation.params.prompt_tokens, reservation.segment)
-                received = await self._receive(request_iterator, receiver, reservation)
-        except KVTransferError as exc:
-            await self._refuse(context, reservation, receiver, exc.code, str(exc))
-        except TimeoutError:
-            message = ("KV stream stalled: not complete before the reservation's lease ended" if reservation else
-                       f"KV stream stalled: no header within {min(KV_HEADER_TIMEOUT_S, self.config.lease_s):g} s")
-            await self._refuse(context, reservation, receiver, grpc.StatusCode.DEADLINE_EXCEEDED, message)
-        except asyncio.CancelledError:  # prefill went away, or the reservation was released, mid-stream
-            receiver.fail(grpc.StatusCode.CANCELLED, "cancelled")  # drops the partial KV
-            if reservation is not None and reservation.phase is Phase.CLOSED and not context.cancelled():
-                # Released by this worker (see Generate): end the stream with a status instead of dropping it.
-                asyncio.current_task().uncancel()  # type: ignore[union-attr]
-                await context.abort(grpc.StatusCode.CANCELLED,
-                                    f"request {reservation.params.request_id!r} was released during the transfer")
-            if reservation is not None:
-                reservation.fail(grpc.StatusCode.UNAVAILABLE, "KV stream from prefill was cancelled mid-transfer")
-            raise
-        assert reservation is not None  # claimed before any chunk was accepted
-        self._admit(reservation, received)
-        return kv_transfer_pb2.KVTransferAck(bytes_received=receiver.bytes_received,
-                                             chunks_received=receiver.chunks_received)
-
-    async def _receive(
-        self, messages: AsyncIterator[codec.Received], receiver: KVReceiver, reservation: Reservation
-    ) -> ReceivedKV:
-        async for message in messages:
-            if reservation.phase is not Phase.TRANSFERRING:
-                raise receiver.fail(grpc.StatusCode.CANCELLED,
-                                    f"request {reservation.params.request_id!r} was released during the transfer")
-            if isinstance(message, codec.Malformed):
-                raise receiver.fail(grpc.StatusCode.INVALID_ARGUMENT, message.reason)
-            if isinstance(message, codec.Chunk):
-                receiver.accept_chunk(message)
-                continue
-            if isinstance(message, list):  # a KVTransfer.chunks
-                receiver.accept_chunks(message)
-                continue
-            part = message.WhichOneof("part")
-            if part == "chunk":
-                receiver.accept_chunk(message.chunk)
-            elif part == "chunks":
-                receiver.accept_chunks(message.chunks.chunk)
-            elif part == "trailer":
-                return receiver.finish(message.trailer)
-            else:
-                raise receiver.fail(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"unexpected {part or 'empty'} message mid-stream")
-        raise receiver.fail(grpc.StatusCode.DATA_LOSS, "KV stream ended without a trailer")
-
-    async def _refuse(
-        self, context: grpc.aio.ServicerContext, reservation: Reservation | None, receiver: KVReceiver,
-        code: grpc.StatusCode, message: str,
-    ) -> None:
-        receiver.fail(code, message)  # drops the partial KV
-        log.warning("KV transfer refused, %s: %s", code.name, message)
-        if reservation is not None:
-            reservation.fail(code, f"KV transfer refused: {message}")
-        await context.abort(code, message)
-
     def _admit(self, reservation: Reservation, received: ReceivedKV) -> None:
-        if reservation.phase is not Phase.TRANSFERRING:  # released while the last chunk was checked
+        """Step 3, for the KV inbox: the whole KV joins the batch at the next step."""
+        if reservation.state is not ReservationState.TRANSFERRING:  # released while the last chunk was checked
             return  # (and its segment retired)
-        segment, pool = self._take_segment_back(reservation), self.segments
-        release: Callable[[], None] = _nothing  # gRPC: the messages go with the last reference to them
-        if segment is not None and pool is not None:
-            if received.in_segment:  # the KV is read from the segment until it joins; the writer is done
-                release = functools.partial(pool.release, segment)
-            else:  # lent but not written: the KV came over gRPC
-                pool.release(segment)
-        reservation.phase = Phase.ADMITTED
+        release = self.lender.hand_back(reservation, received.in_segment)
+        reservation.state = ReservationState.ADMITTED
         reservation.sequence = self._sequence(reservation, tokens=[received.first_token])
         self.engine.submit_kv(reservation.sequence, received.pieces, release)
 
@@ -463,75 +325,27 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return worker_pb2.WorkerInfo(
             role="decode",
             model=model_info(self.spec),
-            live_reservations=self.table.count(Phase.WAITING, Phase.TRANSFERRING),
-            live_transfers=self.table.count(Phase.TRANSFERRING),
+            live_reservations=self.table.awaiting_kv,
+            live_transfers=self.table.count(ReservationState.TRANSFERRING),
             live_sequences=self.engine.live_sequences,
             live_kv_bytes=self.table.kv_bytes,
             max_sequences=self.config.max_seqs,
             kv_budget_bytes=self.table.kv_budget_bytes,
             pid=os.getpid(),
-            live_buffer_bytes=self._buffer_bytes(),
+            live_buffer_bytes=self.lender.lent_bytes,
         )
 
     async def _params(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext) -> DecodeParams:
-        limit = self.spec.max_model_len
-        problem = ""
-        if not request.request_id:
-            problem = "request_id is required"
-        elif request.prompt_tokens < 1:
-            problem = "prompt_tokens must be >= 1"
-        elif request.max_tokens < 1:
-            problem = "max_tokens must be >= 1"
-        elif request.prompt_tokens + request.max_tokens > limit:
-            problem = f"prompt_tokens + max_tokens = {request.prompt_tokens + request.max_tokens} exceeds {limit}"
-        elif request.prompt_token_ids and len(request.prompt_token_ids) != request.prompt_tokens:
-            problem = (f"prompt_token_ids holds {len(request.prompt_token_ids)} tokens, prompt_tokens says "
-                       f"{request.prompt_tokens}")
-        elif request.prompt_token_ids and max(request.prompt_token_ids) >= self.spec.vocab_size:
-            problem = (f"prompt_token_ids: {max(request.prompt_token_ids)} is outside the vocabulary "
-                       f"(size {self.spec.vocab_size})")
         try:
+            if not request.request_id:
+                raise ValueError("request_id is required")
+            check_prompt(self.spec, request.prompt_tokens, request.max_tokens, request.prompt_token_ids,
+                         "prompt_token_ids")
             sampling = sampling_from_pb(request.sampling)
         except ValueError as exc:
-            problem = problem or f"sampling: {exc}"
-        if problem:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return DecodeParams(request.request_id, request.prompt_tokens, request.max_tokens, sampling,
                             request.ignore_eos, tuple(request.prompt_token_ids))
-
-
-class _Spans:
-    """The KV stream's receive span, started once the header names its parent (prefill's send span)."""
-
-    def __init__(self) -> None:
-        self.span: trace.Span | None = None
-        self.transport = ""
-
-    def start(self, header: kv_transfer_pb2.KVHeader) -> None:
-        logs.for_request(header.request_id)
-        self.transport = "shm" if header.shm else "grpc"
-        self.span = tracing.tracer.start_span(
-            "kv.receive", context=tracing.incoming(dict(header.trace_context)), kind=SpanKind.SERVER,
-            attributes={"pdserve.request_id": header.request_id, "pdserve.prompt_tokens": header.num_tokens,
-                        "pdserve.transport": self.transport, "pdserve.dtype": header.dtype})
-
-    def end(self, receiver: KVReceiver) -> None:
-        if self.span is not None:
-            self.span.set_attributes({"pdserve.kv_bytes": receiver.bytes_received,
-                                      "pdserve.chunks": receiver.chunks_received,
-                                      "pdserve.state": receiver.state.name})
-            if receiver.state is not TransferState.COMPLETE:
-                self.span.set_status(trace.Status(trace.StatusCode.ERROR, f"transfer {receiver.state.name.lower()}"))
-            self.span.end()
-
-
-def _nothing() -> None:
-    pass
-
-
-def _loop_time(monotonic_deadline: float) -> float:
-    """Convert a time.monotonic() deadline to the event loop's clock."""
-    return asyncio.get_running_loop().time() + (monotonic_deadline - time.monotonic())
 
 
 async def serve(config: DecodeConfig) -> None:
@@ -552,7 +366,7 @@ async def serve(config: DecodeConfig) -> None:
             response_serializer=worker_pb2.WorkerInfo.SerializeToString),
     }
     kv = {"TransferKV": grpc.stream_unary_rpc_method_handler(
-        servicer.TransferKV, request_deserializer=codec.decode,
+        servicer.inbox.TransferKV, request_deserializer=codec.decode,
         response_serializer=kv_transfer_pb2.KVTransferAck.SerializeToString)}
 
     def registering(handlers: dict[str, grpc.RpcMethodHandler]) -> Callable[[grpc.aio.Server], list[str]]:
@@ -572,8 +386,7 @@ async def serve(config: DecodeConfig) -> None:
 
     async def shutdown() -> None:
         await asyncio.to_thread(servicer.engine.close)
-        if servicer.segments is not None:
-            servicer.segments.close()
+        servicer.lender.close()
 
     await serving.serve("decode", config.server, registering(control), shutdown, servicer.metrics, announce, also,
                         stalled=servicer.engine.stalled)

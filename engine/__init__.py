@@ -2,6 +2,7 @@
 
 - scheduler.py: which prompts the next prompt pass runs (short ones batched, long ones chunked);
 - prompts.py: the prompt queue and its passes, which sample each prompt's first token and hand its KV on;
+- validation.py: what a worker checks of a request before the engine takes it (prompt length, vocabulary);
 - sequence.py: a request as the decode batch sees it;
 - batch.py: the continuous decode batch over the paged KV cache;
 - core.py: the loop, configured by role (a prefill worker runs prompts only; a decode worker runs its batch and

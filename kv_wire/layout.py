@@ -20,7 +20,9 @@ MAX_CHUNK_BYTES = 4 << 20  # the largest chunk a decode worker takes by default:
 
 
 class TransferState(enum.Enum):
-    """Life of one transfer, the same on both ends. FAILED is final and reported to the other end at once."""
+    """Life of one KV stream, the same on both ends (KVSender, KVReceiver). FAILED is final and reported to the
+    other end at once. The decode worker's reservation, which outlives its stream, has states of its own
+    (decode_service.reservations.ReservationState)."""
 
     WAITING = "waiting"  # sender: reservation in hand, no KV yet; receiver: reservation made, no header yet
     TRANSFERRING = "transferring"  # header accepted, chunks flowing

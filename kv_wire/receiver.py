@@ -24,7 +24,7 @@ import grpc
 import numpy as np
 import torch
 
-from kv_wire.codec import Chunk
+from kv_wire.codec import Chunk, Malformed, Received
 from kv_wire.layout import LOSSY_WIRE_DTYPES, WIRE_DTYPES, KVLayout, KVTransferError, TransferState, checksum
 from kv_wire.segments import Segment, data_region
 from model_runner.loading import ModelSpec
@@ -65,6 +65,36 @@ class KVReceiver:
         self.bytes_received = 0
         self.chunks_received = 0
         self.failure: grpc.StatusCode | None = None  # why it failed
+
+    def header_of(self, first: Received | None) -> pb.KVHeader:
+        """A stream's first message (None: the stream ended at once), which must be its header."""
+        if isinstance(first, Malformed):
+            raise self.fail(grpc.StatusCode.INVALID_ARGUMENT, first.reason)
+        if not isinstance(first, pb.KVTransfer) or first.WhichOneof("part") != "header":
+            raise self.fail(grpc.StatusCode.INVALID_ARGUMENT, "a KV stream must start with a header")
+        return first.header
+
+    def accept(self, message: Received) -> ReceivedKV | None:
+        """Any message after the header, as the codec decoded it: chunks are checked (accept_chunk), and the
+        trailer ends the stream (finish), which gives the KV."""
+        if isinstance(message, Malformed):
+            raise self.fail(grpc.StatusCode.INVALID_ARGUMENT, message.reason)
+        if isinstance(message, Chunk):
+            self.accept_chunk(message)
+            return None
+        if isinstance(message, list):  # a KVTransfer.chunks
+            self.accept_chunks(message)
+            return None
+        part = message.WhichOneof("part")
+        if part == "chunk":
+            self.accept_chunk(message.chunk)
+        elif part == "chunks":
+            self.accept_chunks(message.chunks.chunk)
+        elif part == "trailer":
+            return self.finish(message.trailer)
+        else:
+            raise self.fail(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {part or 'empty'} message mid-stream")
+        return None
 
     def accept_header(self, header: pb.KVHeader, reserved_tokens: int, segment: Segment | None) -> KVLayout:
         """Check the header against this worker's model and the reservation.

@@ -33,6 +33,7 @@ from opentelemetry.trace import SpanKind
 
 from engine.core import EngineCore
 from engine.prompts import Abandoned, Prefilled, PromptJob, QueueFull
+from engine.validation import check_prompt
 from kv_wire import codec
 from kv_wire.layout import DEFAULT_CHUNK_BYTES, LOSSY_WIRE_DTYPES, KVLayout, TransferState
 from kv_wire.segments import SegmentMaps
@@ -325,21 +326,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> tuple[list[int], SamplingParams]:
         token_ids = list(request.token_ids)
-        problem = ""
-        if not token_ids:
-            problem = "token_ids must not be empty"
-        elif len(token_ids) >= self.spec.max_model_len:
-            problem = f"token_ids: {len(token_ids)} tokens leave no room in the {self.spec.max_model_len}-token context"
-        elif max(token_ids) >= self.spec.vocab_size:
-            problem = f"token_ids: {max(token_ids)} is outside the vocabulary (size {self.spec.vocab_size})"
-        elif not request.decode_address or not request.reservation_token:
-            problem = "decode_address and reservation_token are required"
         try:
+            check_prompt(self.spec, len(token_ids), 1, token_ids)  # the one token prefill generates: the first
+            if not request.decode_address or not request.reservation_token:
+                raise ValueError("decode_address and reservation_token are required")
             sampling = sampling_from_pb(request.sampling)
         except ValueError as exc:
-            problem = problem or f"sampling: {exc}"
-        if problem:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return token_ids, sampling
 
     def _channel(self, address: str) -> grpc.aio.Channel:

@@ -201,8 +201,8 @@ def test_a_request_cancelled_while_its_segment_is_being_made_gets_it_back(tiny_m
 
     config = DecodeConfig(server=ServerConfig(), model=ModelConfig(model=str(tiny_model_dir)), kv_warm_mb=0)
     servicer = DecodeServicer(config, config.model.load())
-    assert servicer.segments is not None
-    pool = servicer.segments
+    pool = servicer.lender.pool
+    assert pool is not None
     made = threading.Event()
 
     def slow_acquire(nbytes: int) -> object:
@@ -216,7 +216,7 @@ def test_a_request_cancelled_while_its_segment_is_being_made_gets_it_back(tiny_m
 
     async def cancel_mid_acquire() -> None:
         reservation = servicer.table.reserve(DecodeParams("r", 8, 4, SamplingParams(temperature=0.0), False))
-        lending = asyncio.ensure_future(servicer._lend_segment(reservation))
+        lending = asyncio.ensure_future(servicer.lender.lend(reservation))
         await asyncio.sleep(0.05)
         lending.cancel()
         await asyncio.gather(lending, return_exceptions=True)

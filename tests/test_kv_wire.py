@@ -26,7 +26,7 @@ from kv_wire.layout import (
     checksum,
     copy_with_checksum,
 )
-from kv_wire.receiver import KVReceiver
+from kv_wire.receiver import KVReceiver, ReceivedKV
 from kv_wire.segments import Segment, SegmentMaps, SegmentPool
 from kv_wire.sender import KVSender, encode_stream, host_bytes
 from model_runner.loading import ModelSpec
@@ -93,16 +93,25 @@ def _random_kv(spec: ModelSpec, tokens: int) -> list[tuple[torch.Tensor, torch.T
     return [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(spec.num_layers)]
 
 
+def _receive(receiver: KVReceiver, messages: list[codec.Received], tokens: int,
+             segment: Segment | None) -> ReceivedKV | None:
+    """As decode's KV inbox does, less the reservation: the header, then each message through the receiver."""
+    receiver.accept_header(receiver.header_of(messages[0]), tokens, segment)
+    received = None
+    for message in messages[1:]:
+        received = receiver.accept(message)
+    return received
+
+
 def _decode(spec: ModelSpec, messages: list[pb.KVTransfer], tokens: int, segment: Segment | None = None,
-            max_chunk: int = 1 << 22):
+            max_chunk: int = 1 << 22) -> tuple[KVReceiver, ReceivedKV]:
     """Receive as decode does: each message serialised, then decoded by the wire codec (chunks as views)."""
+    wire = [codec.decode(message.SerializeToString()) for message in messages]
+    assert all(isinstance(chunk, codec.Chunk) for chunk in wire[1:-1])
     receiver = KVReceiver(spec, max_chunk)
-    receiver.accept_header(messages[0].header, tokens, segment)
-    for message in messages[1:-1]:
-        chunk = codec.decode(message.SerializeToString())
-        assert isinstance(chunk, codec.Chunk)
-        receiver.accept_chunk(chunk)
-    return receiver, receiver.finish(messages[-1].trailer)
+    received = _receive(receiver, wire, tokens, segment)
+    assert received is not None
+    return receiver, received
 
 
 @settings(max_examples=40, deadline=None)
@@ -133,10 +142,8 @@ def test_round_trip_is_bit_exact(
         else:  # only descriptors on the wire, one per tensor
             assert all(not c.data for c in chunks) and len(chunks) == 2 * layers
         receiver = KVReceiver(spec, 1 << 22)
-        receiver.accept_header(header.header, tokens, segment)
-        for message in messages:
-            receiver.accept_chunks(message)
-        received = receiver.finish(trailer.trailer)
+        received = _receive(receiver, [header, *decoded, trailer], tokens, segment)
+        assert received is not None
         # Nothing copied on this side: the pieces are views of the received messages, or the segment.
         assert received.in_segment == (transport == "shm")
         if transport == "grpc":
@@ -234,11 +241,8 @@ def test_stream_packs_the_layers_already_waiting(arrival: str, transport: str, m
         else:  # KV bytes a message, in quarters of a tensor: a layer is 8 quarters
             quarters = [sum(len(c.data) for c in m) * 4 // layout.tensor_bytes for m in chunks]
             assert quarters == ([3] * 10 + [2] if arrival == "all_waiting" else [3, 3, 2] * 4)
-        receiver = KVReceiver(spec, 1 << 20)
-        receiver.accept_header(wire[0].header, tokens, segment)
-        for message in chunks:
-            receiver.accept_chunks(message)
-        received = receiver.finish(wire[-1].trailer)
+        received = _receive(KVReceiver(spec, 1 << 20), list(wire), tokens, segment)
+        assert received is not None
         for (k, v), (k2, v2) in zip(kv, received.layers()):
             assert torch.equal(k, k2) and torch.equal(v, v2)
 
@@ -333,10 +337,7 @@ def test_damaged_stream_is_refused_with_its_status(damage, code: grpc.StatusCode
     with _segment(transport, 2 * SPEC.num_layers * _TENSOR) as segment:
         messages = damage(_good(segment), segment)
         with pytest.raises(KVTransferError) as refused:
-            receiver.accept_header(messages[0].header, TOKENS, segment)
-            for message in messages[1:-1]:
-                receiver.accept_chunk(codec.decode(message.SerializeToString()))  # type: ignore[arg-type]
-            receiver.finish(messages[-1].trailer)
+            _receive(receiver, [codec.decode(message.SerializeToString()) for message in messages], TOKENS, segment)
     assert refused.value.code == code
     assert receiver.state is TransferState.FAILED
 
@@ -571,3 +572,18 @@ def test_another_users_segment_in_dev_shm_is_left_alone_by_the_startup_sweep() -
     finally:
         theirs.unlink(missing_ok=True)
         ours.unlink(missing_ok=True)
+
+
+def test_a_stream_must_open_with_its_header_and_carry_no_other() -> None:
+    messages = _good()
+    opened_with_a_chunk = KVReceiver(SPEC, 1 << 20)
+    with pytest.raises(KVTransferError) as refused:
+        opened_with_a_chunk.header_of(messages[1])
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and opened_with_a_chunk.state is TransferState.FAILED
+    with pytest.raises(KVTransferError) as refused:
+        KVReceiver(SPEC, 1 << 20).header_of(None)  # the stream ended before its first message
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    second_header = KVReceiver(SPEC, 1 << 20)
+    with pytest.raises(KVTransferError) as refused:
+        _receive(second_header, [messages[0], messages[1], messages[0], *messages[2:]], TOKENS, None)
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and second_header.state is TransferState.FAILED

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decode_service.reservations import CapacityExhausted, DecodeParams, Phase, ReservationTable
+from decode_service.reservations import CapacityExhausted, DecodeParams, ReservationTable
 from kv_wire.layout import KVTransferError
 from model_runner.sampling import SamplingParams
 
@@ -38,7 +38,7 @@ def test_budget_is_never_exceeded_and_frees_exactly(steps: list[tuple[bool, int,
         assert table.kv_bytes == sum(r.kv_bytes for r in live)
     for reservation in live:
         table.release(reservation)
-    assert table.kv_bytes == 0 and table.count(Phase.WAITING, Phase.TRANSFERRING) == 0
+    assert table.kv_bytes == 0 and table.awaiting_kv == 0
 
 
 def test_each_attempt_is_its_own_reservation_and_only_its_token_claims_it() -> None:
