@@ -1,8 +1,14 @@
-"""The `pdserve` command: run a local cluster, or stream a completion from a running gateway."""
+"""The `pdserve` command: run a local cluster, or stream a completion from a running gateway.
+
+It starts fast: `pdserve health` is the containers' health probe, under Kubernetes' 1 s default timeout. Only argparse
+and what builds the parser load up front (no torch, no transformers, no benchmark); each command imports what it runs.
+tests/test_cli_startup.py keeps it so.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -10,18 +16,43 @@ import time
 
 import grpc
 
-from model_runner.loading import DEFAULT_MODEL, DTYPES
+from protos.types import DTYPE_BYTES
 from serving import tls
+from serving.models import DEFAULT_MODEL
 
 DEFAULT_TRACE_DIR = ".pdserve/traces"
 DEMO_PROMPT = "<|im_start|>user\nExplain in two sentences why the sky is blue.<|im_end|>\n<|im_start|>assistant\n"
 
 
+# benchmark (its module under bench/) -> summary; a module is imported only when its benchmark is the command
+BENCHES = {
+    "kv": "KV transfer: gRPC and shared-memory paths against their ceilings",
+    "decode": "the decode step against its memory-bandwidth floor",
+    "gemm": "the GEMM kernels the fast runner could call, at the default model's shapes",
+    "prefill": "batched and chunked prefill against one prompt at a time",
+    "scenarios": "six workloads, colocated against disaggregated",
+    "interference": "chat streams while long documents arrive",
+    "chaos": "cancel storms, killed workers, broken links and overload",
+    "prefix": "a shared system prompt and multi-turn chats, prefix cache off and on",
+    "serve": "chats and documents through OpenAI-compatible servers (pdserve, vLLM, llama.cpp)",
+    "soak": "a long mixed load with cancels and hostile requests; RSS, fds and live gauges",
+}
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated LLM serving: prefill and decode as "
                                      "separate gRPC services, the KV cache streamed between them.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_cluster(commands)
+    _add_client_commands(commands)
+    _add_trace_and_health(commands)
+    _add_bench(commands, argv)
+    args = parser.parse_args(argv)
+    sys.exit(args.run(args, parser))
 
+
+def _add_cluster(commands: argparse._SubParsersAction) -> None:
     cluster = commands.add_parser("cluster", help="start a gateway, prefill and decode workers on this host",
                                   description="Start a gateway, --prefill N and --decode M workers as local processes, "
                                   "wait until all are healthy, print one JSON line with their addresses and pids, "
@@ -30,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
                          help="prefill workers (default: %(default)s); 0 = colocated: decode workers prefill too")
     cluster.add_argument("--decode", type=int, default=1, help="decode workers (default: %(default)s)")
     cluster.add_argument("--model", default=DEFAULT_MODEL, help="model directory or %(default)r")
-    cluster.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    cluster.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
     cluster.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     cluster.add_argument("--host", default="127.0.0.1", help="address every service listens on")
     cluster.add_argument("--port", type=int, default=0, help="gateway port (default: a free port)")
@@ -63,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
                          help="once healthy, stream one completion with its timing breakdown")
     cluster.set_defaults(run=_cluster)
 
+
+def _add_client_commands(commands: argparse._SubParsersAction) -> None:
     client = argparse.ArgumentParser(add_help=False)  # what `generate` and `chat` share
     client.add_argument("--address", default="127.0.0.1:50051", help="gateway host:port (default: %(default)s)")
     client.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY", ""),
@@ -90,6 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     chat.add_argument("--system", default="", help="a system message that opens the conversation")
     chat.set_defaults(run=_chat)
 
+
+def _add_trace_and_health(commands: argparse._SubParsersAction) -> None:
     trace = commands.add_parser("trace", help="a request's spans as a terminal waterfall, from a local capture",
                                 description="Print the span tree of REQUEST_ID's trace (gateway, queue, prefill, "
                                 "KV send and receive, decode admission and steps) with durations, read from the "
@@ -108,28 +143,19 @@ def main(argv: list[str] | None = None) -> None:
     tls.add_args(health, "the probe's")
     health.set_defaults(run=_health)
 
+
+def _add_bench(commands: argparse._SubParsersAction, argv: list[str]) -> None:
+    """Every benchmark is listed; only the one named on the command line is imported, to add its flags."""
     bench = commands.add_parser("bench", help="benchmarks; results as a table or JSON, plus JSON and plots on disk")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    from bench import chaos, decode, gemm, interference, kv, prefill, prefix, scenarios, serve, soak
-
-    for name, module, summary in (
-        ("kv", kv, "KV transfer: gRPC and shared-memory paths against their ceilings"),
-        ("decode", decode, "the decode step against its memory-bandwidth floor"),
-        ("gemm", gemm, "the GEMM kernels the fast runner could call, at the default model's shapes"),
-        ("prefill", prefill, "batched and chunked prefill against one prompt at a time"),
-        ("scenarios", scenarios, "six workloads, colocated against disaggregated"),
-        ("interference", interference, "chat streams while long documents arrive"),
-        ("chaos", chaos, "cancel storms, killed workers, broken links and overload"),
-        ("prefix", prefix, "a shared system prompt and multi-turn chats, prefix cache off and on"),
-        ("serve", serve, "chats and documents through OpenAI-compatible servers (pdserve, vLLM, llama.cpp)"),
-        ("soak", soak, "a long mixed load with cancels and hostile requests; RSS, fds and live gauges"),
-    ):
-        sub = benches.add_parser(name, help=summary, description=(module.__doc__ or "").split("\n\n")[0])
-        module.add_args(sub)
-        sub.set_defaults(run=lambda args, _parser, module=module: module.run(args))
-
-    args = parser.parse_args(argv)
-    sys.exit(args.run(args, parser))
+    chosen = argv[1] if len(argv) > 1 and argv[0] == "bench" else None
+    for name, summary in BENCHES.items():
+        sub = benches.add_parser(name, help=summary)
+        if name == chosen:
+            module = importlib.import_module(f"bench.{name}")
+            sub.description = (module.__doc__ or "").split("\n\n")[0]
+            module.add_args(sub)
+            sub.set_defaults(run=lambda args, _parser, module=module: module.run(args))
 
 
 def _ports(text: str) -> tuple[int, ...]:
