@@ -29,17 +29,11 @@
 #include <utility>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define PDS_HAVE_AVX512 1
-#define PDS_AVX512 __attribute__((target("avx512f,fma")))
-#define PDS_AVX512_BF16 __attribute__((target("avx512f,avx512bf16,fma")))
-#define PDS_AVX2 __attribute__((target("avx2,fma")))
-#else
-#define PDS_HAVE_AVX512 0
-#endif
+#include "simd.h"
 
 namespace {
+
+using namespace pds;
 
 // Pointers to element 0 of each tensor; strides in elements. T is float or uint16_t (bfloat16's bits).
 template <typename T>
@@ -56,30 +50,6 @@ struct Args {
   float scale;
   T* out;  // (B, Hq, D), contiguous
 };
-
-inline float to_f32(float x) { return x; }
-
-inline float to_f32(uint16_t x) {
-  // bfloat16 is the top half of a float32
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline void store_f32(float x, float* dst) { *dst = x; }
-
-inline void store_f32(float x, uint16_t* dst) {
-  // round to nearest even, as torch's .to(torch.bfloat16) does
-  if (std::isnan(x)) {
-    *dst = 0x7fc0;
-    return;
-  }
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  *dst = static_cast<uint16_t>(bits >> 16);
-}
 
 // The keys (or values) of kv heads kv0..kv0+heads-1 of one sequence: the row of position pos and head kv0+h
 // (its D elements) is token pos % block_size of block table[pos / block_size], h heads on. A pass of length 0
@@ -461,62 +431,11 @@ void attend_avx512(const Args<T>& a, int64_t b, int64_t kv0, int64_t kv1, const 
     for (int64_t d = 0; d < D; ++d) store_f32(s.acc[r * D + lane_of<T>(d)] * s.inv_sum[r], out + r * D + d);
 }
 
-bool cpu_has_avx512() {
-  static const bool has = __builtin_cpu_supports("avx512f");
-  return has;
-}
-
-bool cpu_has_avx512_bf16() {
-  static const bool has = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
-  return has;
-}
-
 #endif  // PDS_HAVE_AVX512
 
 #if PDS_HAVE_AVX512
 // ---------------------------------------------------------------------------------------------------------
 // AVX2 path, for D a multiple of 8: one kv head at a time, as the portable path, in 8-lane float32 vectors.
-
-// 8 elements of a row as float32
-PDS_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-
-PDS_AVX2 inline __m256 load8(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-PDS_AVX2 inline float hmax8(__m256 x) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-
-PDS_AVX2 inline float hsum8(__m256 x) {
-  __m128 m = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_add_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-
-// e^x for x <= 0, as exp_nonpositive, clamped at -87 so that 2^n fits a float32's exponent bits (e^-87 is
-// 1.6e-38: a weight that small adds nothing a bfloat16 or float32 output can show).
-PDS_AVX2 inline __m256 exp_nonpositive8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
 
 // Scores of GN q heads (q: (GN, D) float32) against one key: GN independent chains of FMAs over the key,
 // read once for all of them. A head's arithmetic is the same whichever heads come with it.
@@ -605,10 +524,6 @@ PDS_AVX2 void attend_avx2(const Args<T>& a, int64_t b, int64_t kvh, Scratch& s) 
     for (int64_t i = 0; i < D; ++i) store_f32(s.acc[g * D + i] * s.inv_sum[g], out + g * D + i);
 }
 
-bool cpu_has_avx2() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
-}
 #endif  // PDS_HAVE_AVX512
 
 enum class Path { kPortable, kAvx2, kAvx512, kAvx512Bf16 };
@@ -744,25 +659,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& key_
 
 // ---- The rest of a decode layer's small ops, one call each instead of a dozen torch ops per layer. ----
 
-inline float load_f(float x) { return x; }
-inline float load_f(uint16_t x) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-inline void store_f(float& dst, float x) { dst = x; }
-inline void store_f(uint16_t& dst, float x) {  // round to nearest even, as torch does (NaN kept a NaN)
-  uint32_t bits;
-  std::memcpy(&bits, &x, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) {
-    dst = static_cast<uint16_t>((bits >> 16) | 0x40);
-    return;
-  }
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  dst = static_cast<uint16_t>(bits >> 16);
-}
-
 // Rotary positions on q and k (rotate-half form, as Llama's), then k and v stored at each row's slot of the paged
 // cache. qkv (B, (Hq + 2 Hkv) D); cos, sin (B, D), sin's first half negated; slots (B,) int64. Returns q (B, Hq, D).
 template <typename T>
@@ -779,8 +675,8 @@ void rope_and_store_rows(const T* qkv, int64_t row_stride, const T* cos, const T
         const T* x = row + h * d;
         T* out = h < hq ? q_out + (b * hq + h) * d : key + slots[b] * slot_stride + (h - hq) * d;
         for (int64_t i = 0; i < d; ++i) {
-          const float swapped = load_f(x[i < half ? i + half : i - half]);
-          store_f(out[i], std::fma(swapped, load_f(s[i]), load_f(x[i]) * load_f(c[i])));
+          const float swapped = to_f32(x[i < half ? i + half : i - half]);
+          store_f32(std::fma(swapped, to_f32(s[i]), to_f32(x[i]) * to_f32(c[i])), &out[i]);
         }
       }
       std::memcpy(value + slots[b] * slot_stride, row + (hq + hkv) * d, sizeof(T) * hkv * d);
@@ -835,9 +731,9 @@ void rms_norm_rows(const T* x, int64_t x_stride, const T* w, T* out, int64_t row
       const T* in = x + r * x_stride;
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < h; ++i) sum += load_f(in[i]) * load_f(in[i]);
+      for (int64_t i = 0; i < h; ++i) sum += to_f32(in[i]) * to_f32(in[i]);
       const float inv = 1.f / std::sqrt(sum / static_cast<float>(h) + eps);
-      for (int64_t i = 0; i < h; ++i) store_f(out[r * h + i], load_f(in[i]) * inv * load_f(w[i]));
+      for (int64_t i = 0; i < h; ++i) store_f32(to_f32(in[i]) * inv * to_f32(w[i]), &out[r * h + i]);
     }
   });
 }

@@ -49,18 +49,11 @@
 #include <string>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define PDS_HAVE_AVX512 1
-#define PDS_AVX512 __attribute__((target("avx512f,fma")))
-#define PDS_AVX512_BF16 __attribute__((target("avx512f,avx512bf16,fma")))
-#define PDS_AVX2 __attribute__((target("avx2,fma")))
-#define PDS_INLINE inline __attribute__((always_inline))
-#else
-#define PDS_HAVE_AVX512 0
-#endif
+#include "simd.h"
 
 namespace {
+
+using namespace pds;
 
 constexpr int64_t kTile = 64;  // keys per tile; tile j holds positions [kTile j, kTile (j + 1))
 constexpr int kVecs = kTile / 16;  // float32 vectors of scores per row of a tile
@@ -79,29 +72,6 @@ struct Problem {
   float scale;
   int64_t positions_per_block, blocks;
 };
-
-inline float to_f32(float x) { return x; }
-
-inline float to_f32(uint16_t x) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;  // bfloat16 is the top half of a float32
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline void store_f32(float x, float* dst) { *dst = x; }
-
-inline void store_f32(float x, uint16_t* dst) {
-  // round to nearest even, as torch's .to(torch.bfloat16) does
-  if (std::isnan(x)) {
-    *dst = 0x7fc0;
-    return;
-  }
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  *dst = static_cast<uint16_t>(bits >> 16);
-}
 
 inline uint32_t load_u32(const uint16_t* p) {
   uint32_t w;
@@ -440,16 +410,6 @@ PDS_AVX512 void store_row(const float* acc, const float* sums, uint16_t* out, in
   }
 }
 
-bool cpu_has_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f");
-  return yes;
-}
-
-bool cpu_has_avx512_bf16() {
-  static const bool yes = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
-  return yes;
-}
-
 #endif  // PDS_HAVE_AVX512
 
 // ---------------------------------------------------------------------------------------------------------
@@ -584,20 +544,6 @@ PDS_AVX2 PDS_INLINE __m256 visible_avx2(int64_t key0, int b, int64_t pos) {
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(std::max<int32_t>(limit, -1) + 1), lanes));
 }
 
-PDS_AVX2 PDS_INLINE float hmax_avx2(__m256 x) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-
-PDS_AVX2 PDS_INLINE float hsum_avx2(__m256 x) {
-  __m128 m = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_add_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-
 constexpr int kVecs8 = kTile / 8;  // 8-lane vectors of scores per tile
 
 // One query row against one tile (float32 keys (D, kTile), values (kTile, D)): its scores, the lazy online
@@ -622,7 +568,7 @@ PDS_AVX2 void row_tile_avx2(const float* q, int64_t pos, const float* kt, const 
     tile_max = _mm256_max_ps(tile_max, s[b]);
   }
   __m256 lane_sum = _mm256_loadu_ps(sum);
-  const float top = hmax_avx2(tile_max);
+  const float top = hmax8(tile_max);
   if (top > max + kLazy / c) {  // the max moves: rescale what was summed so far (exactly 1 where it stays)
     const float new_max = std::max(max, top);
     const __m256 alpha = exp2_avx2(_mm256_set1_ps((max - new_max) * c));
@@ -652,12 +598,12 @@ PDS_AVX2 void row_tile_avx2(const float* q, int64_t pos, const float* kt, const 
 }
 
 PDS_AVX2 void store_row_avx2(const float* acc, const float* sums, float* out, int64_t D) {
-  const __m256 inv = _mm256_set1_ps(1.f / hsum_avx2(_mm256_loadu_ps(sums)));
+  const __m256 inv = _mm256_set1_ps(1.f / hsum8(_mm256_loadu_ps(sums)));
   for (int64_t e = 0; e < D; e += 8) _mm256_storeu_ps(out + e, _mm256_mul_ps(_mm256_loadu_ps(acc + e), inv));
 }
 
 PDS_AVX2 void store_row_avx2(const float* acc, const float* sums, uint16_t* out, int64_t D) {
-  const float inv = 1.f / hsum_avx2(_mm256_loadu_ps(sums));
+  const float inv = 1.f / hsum8(_mm256_loadu_ps(sums));
   for (int64_t e = 0; e < D; ++e) store_f32(acc[e] * inv, out + e);
 }
 
@@ -684,11 +630,6 @@ PDS_AVX2 void block_avx2(const Problem<T>& p, const Packed& pk, int64_t kvh, con
     }
   }
   for (int64_t r = 0; r < n; ++r) store_row_avx2(s.acc.data() + r * D, s.sum.data() + r * 8, rows.out[r], D);
-}
-
-bool cpu_has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
 }
 
 #endif  // PDS_HAVE_AVX512

@@ -30,17 +30,11 @@
 #include <string>
 #include <utility>
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define PDS_HAVE_AVX512 1
-#define PDS_AVX512 __attribute__((target("avx512f,fma")))
-#define PDS_AVX512_BF16 __attribute__((target("avx512f,avx512bf16,fma")))
-#define PDS_AVX2 __attribute__((target("avx2,fma")))
-#else
-#define PDS_HAVE_AVX512 0
-#endif
+#include "simd.h"
 
 namespace {
+
+using namespace pds;
 
 constexpr int kBlock = 16;  // outputs per block: one vector of float32 sums
 constexpr int kMaxRows = 16;  // rows per tile; more rows run as several tiles over the same weights
@@ -56,22 +50,6 @@ constexpr int kNear = 8;
 enum class Path { kPortable, kAvx2, kAvx512, kAvx512Bf16 };
 enum class Post { kNone, kSilu, kMul, kAdd };
 
-// bfloat16 is the top half of a float32
-inline float bf16_to_f32(uint16_t x) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float x) {  // round to nearest even (NaN to a quiet NaN), as torch does
-  if (std::isnan(x)) return 0x7fc0;
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
 // The two bfloat16 of a pair read as one 32-bit word: the first is the low half on little-endian machines
 inline float word_half(uint32_t word, bool first) {
   constexpr bool little = __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__;
@@ -84,7 +62,7 @@ inline float pair_first(uint32_t word) { return word_half(word, true); }
 inline float pair_second(uint32_t word) { return word_half(word, false); }
 
 inline float load_f32(const void* p, bool bf16, int64_t i) {
-  return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+  return bf16 ? to_f32(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
 }
 
 struct Problem {
@@ -120,7 +98,7 @@ void tile_portable(const Problem& pr, int64_t r0, int rows, int64_t b, float* ac
       const uint16_t* x = static_cast<const uint16_t*>(pr.x) + (r0 + r) * pr.ldx;
       const uint32_t* w = static_cast<const uint32_t*>(pr.w) + block / 2;
       for (int64_t s = 0; s < pr.steps; ++s, w += kBlock) {
-        const float x0 = bf16_to_f32(x[2 * s]), x1 = bf16_to_f32(x[2 * s + 1]);
+        const float x0 = to_f32(x[2 * s]), x1 = to_f32(x[2 * s + 1]);
         for (int j = 0; j < kBlock; ++j) {
           a[j] += x1 * pair_second(w[j]);
           a[j] += x0 * pair_first(w[j]);
@@ -489,28 +467,8 @@ void tile2(const Tile& t, int rows) {
   }
 }
 
-// e^x as exp512, with x clamped to [-87, 88] so that 2^n fits a float32's exponent bits (no scalef on AVX2).
-PDS_AVX2 inline __m256 exp256(__m256 x) {
-  x = _mm256_min_ps(_mm256_set1_ps(88.f), _mm256_max_ps(_mm256_set1_ps(-87.f), x));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 PDS_AVX2 inline __m256 load8(const void* p, bool bf16) {
-  if (!bf16) return _mm256_loadu_ps(static_cast<const float*>(p));
-  const __m128i h = _mm_loadu_si128(static_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  return bf16 ? pds::load8(static_cast<const uint16_t*>(p)) : pds::load8(static_cast<const float*>(p));
 }
 
 // Bias, post-op and rounding for rows r0.. of block b from sums acc (rows, 16); a block cut short by N (the
@@ -530,7 +488,7 @@ PDS_AVX2 void finish_avx2(const Problem& pr, int64_t r0, int rows, int64_t b, co
       __m256 y = _mm256_add_ps(_mm256_loadu_ps(acc + r * kBlock + 8 * h), bias);
       const int64_t row = r0 + r;
       if (pr.post == Post::kSilu) {
-        const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), y));
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), y));
         y = _mm256_div_ps(y, _mm256_add_ps(_mm256_set1_ps(1.f), e));
       } else if (pr.post != Post::kNone) {
         const __m256 o = load8(static_cast<const char*>(pr.other) + (row * pr.ldo + c0) * (pr.other_bf16 ? 2 : 4),
@@ -583,26 +541,13 @@ void group_portable(const Problem& pr, int64_t g0, int64_t g1) {
   }
 }
 
-bool cpu_has(const char* feature) {
-#if PDS_HAVE_AVX512
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
-  static const bool bf16 = __builtin_cpu_supports("avx512bf16");
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (std::strcmp(feature, "avx2") == 0) return avx2;
-  return std::strcmp(feature, "avx512bf16") == 0 ? avx512 && bf16 : avx512;
-#else
-  (void)feature;
-  return false;
-#endif
-}
-
 Path choose_path(bool bf16, const std::string& want) {
   TORCH_CHECK(want == "auto" || want == "avx512" || want == "avx2" || want == "portable",
               "path must be auto, avx512, avx2 or portable");
   if (want == "portable") return Path::kPortable;
-  if (want != "avx2" && cpu_has("avx512f"))
-    return bf16 && want == "auto" && cpu_has("avx512bf16") ? Path::kAvx512Bf16 : Path::kAvx512;
-  return cpu_has("avx2") ? Path::kAvx2 : Path::kPortable;
+  if (want != "avx2" && cpu_has_avx512())
+    return bf16 && want == "auto" && cpu_has_avx512_bf16() ? Path::kAvx512Bf16 : Path::kAvx512;
+  return cpu_has_avx2() ? Path::kAvx2 : Path::kPortable;
 }
 
 // Which code serves this dtype: "avx512_bf16", "avx512", "avx2" or "portable".
