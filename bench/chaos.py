@@ -31,7 +31,7 @@ import grpc
 from bench.report import add_output_args, publish
 from bench.scenarios import percentile
 from model_runner.loading import DEFAULT_MODEL, resolve_model
-from pdserve.cluster import Cluster, ClusterConfig, Service, _await_ready, _spawn, start, stop_all, wait_healthy
+from pdserve.cluster import Cluster, ClusterConfig, Service, spawn_service, start, stop_all, wait_healthy, wait_ready
 from pdserve.faults import FaultProxy
 from protos import gateway_pb2, gateway_pb2_grpc
 from serving.metrics import scrape
@@ -261,11 +261,11 @@ def link_fault(model: str, args: argparse.Namespace) -> dict[str, Any]:
     cluster = _cluster(model, decode_args=("--lease=10",))
     proxies = [FaultProxy(service.address) for service in cluster.decode]
     # a second gateway that reaches the decode workers (and sends prefill to them) through the proxies
-    gateway = _spawn("gateway", "gateway", ["--host", "127.0.0.1", "--port", "0", "--model", model,
-                                            *(f"--prefill={s.address}" for s in cluster.prefill),
-                                            *(f"--decode={p.address}" for p in proxies)])
+    gateway = spawn_service("gateway", "gateway", ["--host", "127.0.0.1", "--port", "0", "--model", model,
+                                                   *(f"--prefill={s.address}" for s in cluster.prefill),
+                                                   *(f"--decode={p.address}" for p in proxies)])
     try:
-        _await_ready([gateway], time.monotonic() + 120)
+        wait_ready([gateway], 120)
         wait_healthy(gateway.address, 60)
         proxies[0].at([(0.8, proxies[0].reset)])
         proxies[1].at([(1.2, proxies[1].blackhole), (3.2, proxies[1].restore)])

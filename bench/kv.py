@@ -57,7 +57,7 @@ from kv_wire.layout import DEFAULT_CHUNK_BYTES, KVLayout
 from kv_wire.segments import SegmentMaps
 from kv_wire.sender import Item, KVSender, encode_stream
 from model_runner.loading import DEFAULT_MODEL, DTYPES, resolve_model
-from pdserve.cluster import Service, _await_ready, _spawn, stop_all
+from pdserve.cluster import Service, spawn_service, stop_all, wait_ready
 from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, worker_pb2
 from protos import kv_transfer_pb2 as pb
 from serving import memory
@@ -106,16 +106,16 @@ async def _bench(args: argparse.Namespace, model_dir: Path, tokens: list[int]) -
     cores = sorted(os.sched_getaffinity(0))
     send_cpus, receive_cpus = set(cores[: len(cores) // 2] or cores), set(cores[len(cores) // 2 :])
     os.sched_setaffinity(0, send_cpus)
-    decode = _spawn("decode", "decode_service", [*flags, "--threads", "1", "--max-seqs", "2"], receive_cpus)
-    sink = _spawn("sink", "bench.kv", ["--sink"], receive_cpus)
+    decode = spawn_service("decode", "decode_service", [*flags, "--threads", "1", "--max-seqs", "2"], receive_cpus)
+    sink = spawn_service("sink", "bench.kv", ["--sink"], receive_cpus)
     prefills = {} if args.no_exposed else {
         # No prefix cache: the exposed-transfer rounds repeat one prompt, and each must run the whole forward pass.
-        name: _spawn("prefill", "prefill_service", [*flags, "--threads", str(args.threads), "--prefix-cache-mb=0",
-                                                    *extra], send_cpus)
+        name: spawn_service("prefill", "prefill_service",
+                            [*flags, "--threads", str(args.threads), "--prefix-cache-mb=0", *extra], send_cpus)
         for name, extra in PREFILL_VARIANTS.items()}
     services = [decode, sink, *prefills.values()]
     try:
-        _await_ready(services, time.monotonic() + 300)
+        wait_ready(services, 300)
         async with grpc.aio.insecure_channel(decode.address, options=MESSAGE_LIMITS) as channel:
             stub = decode_pb2_grpc.DecodeStub(channel)
             model = (await stub.GetInfo(worker_pb2.WorkerInfoRequest())).model

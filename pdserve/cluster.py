@@ -127,15 +127,17 @@ def stop_all(services: list[Service], grace_s: float) -> None:
             service.process.wait()
 
 
-def _spawn(role: str, module: str, args: list[str], cpus: set[int] | None = None,
-           env: dict[str, str] | None = None) -> Service:
-    """Start `python -m module args`, ended by the kernel if this process dies (even by SIGKILL); with `cpus`, the
-    process and every thread it starts run only there.
+def spawn_service(role: str, module: str, args: list[str], cpus: set[int] | None = None,
+                  env: dict[str, str] | None = None) -> Service:
+    """Start `python -m module args` as one of the cluster's processes (`role` names it in errors), and return it
+    at once, before it serves: `wait_ready` then reads the address it announces.
 
-    Both are set by `pdserve.launch` after an exec, never in a `preexec_fn`: one makes CPython fork() where it would
-    vfork(), so gRPC's fork handlers run in the child and restart gRPC's poller there; the child then closes every
-    descriptor it does not pass on, the poller's epoll among them, and gRPC aborts it ("epoll_wait error: Bad file
-    descriptor") before the exec. With gRPC running here, that was a few starts in a hundred (grpc/grpc#43055).
+    The process is ended by the kernel if this one dies (even by SIGKILL); with `cpus`, it and every thread it
+    starts run only there. Both are set by `pdserve.launch` after an exec, never in a `preexec_fn`: one makes
+    CPython fork() where it would vfork(), so gRPC's fork handlers run in the child and restart gRPC's poller there;
+    the child then closes every descriptor it does not pass on, the poller's epoll among them, and gRPC aborts it
+    ("epoll_wait error: Bad file descriptor") before the exec. With gRPC running here, that was a few starts in a
+    hundred (grpc/grpc#43055).
     """
     pinned = ",".join(map(str, sorted(cpus))) if cpus else ""
     process = subprocess.Popen([sys.executable, "-m", "pdserve.launch", str(os.getpid()), pinned, module, *args],
@@ -143,8 +145,13 @@ def _spawn(role: str, module: str, args: list[str], cpus: set[int] | None = None
     return Service(role, process, cpus=cpus)
 
 
-def _await_ready(services: list[Service], deadline: float) -> None:
-    """Each service prints one JSON line with its address once it serves."""
+def wait_ready(services: list[Service], timeout_s: float) -> None:
+    """Wait until each of `services` (from `spawn_service`) serves, and fill in what it announces: every pdserve
+    process prints one JSON line once it serves, with its gRPC address and, where it has them, its /metrics, HTTP
+    and KV addresses.
+
+    Raises RuntimeError if one exits first, TimeoutError if one has not announced itself within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
     waiting = {s.process.stdout.fileno(): s for s in services if s.process.stdout}
     while waiting:
         for service in waiting.values():
@@ -208,18 +215,18 @@ def start(config: ClusterConfig) -> Cluster:
                                            (*colocated, *config.decode_args))):
             for i in range(count):
                 port = ports[i] if ports else 0
-                workers.append(_spawn(role, f"{role}_service", [*worker_flags, *tls_flags(role), *extra,
-                                                                 "--port", str(port)], next(cpus), env))
-        _await_ready(workers, deadline)
+                workers.append(spawn_service(role, f"{role}_service", [*worker_flags, *tls_flags(role), *extra,
+                                                                        "--port", str(port)], next(cpus), env))
+        wait_ready(workers, deadline - time.monotonic())
         prefill = [w for w in workers if w.role == "prefill"]
         decode = [w for w in workers if w.role == "decode"]
         gateway_args = ["--host", config.host, "--port", str(config.gateway_port), "--model", model_dir,
                         "--colocate-below", str(config.colocate_below), "--http-port", str(config.http_port)]
         gateway_args += [f"--prefill={w.address}" for w in prefill] + [f"--decode={w.address}" for w in decode]
         gateway_args += [*tls_flags("gateway"), *config.gateway_args]
-        gateway = _spawn("gateway", "gateway", gateway_args, env=env)
+        gateway = spawn_service("gateway", "gateway", gateway_args, env=env)
         workers.append(gateway)
-        _await_ready([gateway], deadline)
+        wait_ready([gateway], deadline - time.monotonic())
         cluster = Cluster(gateway, prefill, decode, client_tls)
         for service in cluster.services:
             wait_healthy(service.address, max(1.0, deadline - time.monotonic()), client_tls, service.role)

@@ -2,7 +2,7 @@
 
 Ties this process to its parent (SIGTERM once PARENT_PID is gone, even killed by SIGKILL), pins it to CPUS
 (comma-separated core numbers; "" = not pinned), then execs `python -m MODULE ARGS`, which keeps both settings.
-This runs after an exec, in a fresh interpreter, rather than in a Popen `preexec_fn`: see `cluster._spawn`.
+This runs after an exec, in a fresh interpreter, rather than in a Popen `preexec_fn`: see `cluster.spawn_service`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,17 @@
-"""Shared fixtures: the real tokenizer, a tiny random model that uses it, and clusters of real processes."""
+"""Shared fixtures: the real tokenizer, a tiny random model that uses it, the models loaded in-process, clusters of
+real processes, and the leak check after each test of a module that asks for it. Plain helpers are in helpers.py."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from model_runner.loading import resolve_model
-from pdserve.cluster import Cluster, ClusterConfig, start
-from protos import decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
+from model_runner.loading import LoadedModel, ModelConfig, resolve_model
+from pdserve.cluster import Cluster
+from tests.helpers import assert_nothing_held, start_cluster
 
 
 @pytest.fixture(scope="session")
@@ -46,15 +46,6 @@ def _tiny_llama(tokenizer_dir: Path, path: Path, layers: int) -> Path:
     return path
 
 
-def start_cluster(model_dir: Path, prefill: int = 1, decode: int = 1, decode_args: tuple[str, ...] = (),
-                  prefill_args: tuple[str, ...] = (), colocate_below: int = 0,
-                  gateway_args: tuple[str, ...] = (), tls_dir: str = "", dtype: str = "float32") -> Cluster:
-    """float32 unless asked: most tests compare tokens with Hugging Face `generate` in float32."""
-    return start(ClusterConfig(prefill=prefill, decode=decode, model=str(model_dir), threads=1, dtype=dtype,
-                               decode_args=decode_args, prefill_args=prefill_args, startup_timeout_s=180,
-                               colocate_below=colocate_below, gateway_args=gateway_args, tls_dir=tls_dir))
-
-
 @pytest.fixture(scope="session")
 def tiny_cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
     cluster = start_cluster(tiny_model_dir, prefill=1, decode=2, decode_args=("--max-seqs=4", "--lease=3"))
@@ -62,28 +53,32 @@ def tiny_cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
     cluster.stop()
 
 
-def worker_infos(cluster: Cluster, prefill: bool = True) -> list[worker_pb2.WorkerInfo]:
-    infos = []
-    for services, stub_class in ((cluster.prefill if prefill else [], prefill_pb2_grpc.PrefillStub),
-                                 (cluster.decode, decode_pb2_grpc.DecodeStub)):
-        for service in services:
-            with cluster.channel(service) as channel:  # with the client certificate under mutual TLS
-                infos.append(stub_class(channel).GetInfo(worker_pb2.WorkerInfoRequest(), timeout=5))
-    return infos
+@pytest.fixture(scope="module")
+def runner(default_model_dir: Path) -> LoadedModel:
+    """The real model in-process, float32: a tiny random one repeats one token whatever its KV holds, and would
+    hide corruption; its first tokens depend on every position of the prompt's KV."""
+    torch.set_num_threads(1)
+    return ModelConfig(model=str(default_model_dir), dtype="float32").load()
 
 
-def held(info: worker_pb2.WorkerInfo) -> tuple[int, int, int, int]:
-    return info.live_reservations, info.live_sequences, info.live_kv_bytes, info.live_buffer_bytes
+@pytest.fixture(scope="module")
+def tiny_runner(tiny_model_dir: Path) -> LoadedModel:
+    """The tiny model in-process, float32: for tests of the engine's bookkeeping, where the tokens do not matter."""
+    torch.set_num_threads(1)
+    return ModelConfig(model=str(tiny_model_dir), dtype="float32").load()
 
 
-def assert_nothing_held(cluster: Cluster, within_s: float = 2.0, prefill: bool = True) -> None:
-    """Every worker's live reservations, sequences, KV bytes and transfer buffers return to zero in `within_s`."""
-    deadline = time.monotonic() + within_s
-    while True:
-        infos = worker_infos(cluster, prefill)
-        if all(held(info) == (0, 0, 0, 0) for info in infos):
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError("still held (reservations, sequences, kv bytes, buffer bytes): "
-                                 + ", ".join(f"{i.role} pid {i.pid}: {held(i)}" for i in infos))
-        time.sleep(0.05)
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "leak_check(cluster): after each test, the named cluster fixture's workers "
+                            "hold nothing (tests.helpers.assert_nothing_held)")
+
+
+@pytest.fixture(autouse=True)
+def leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The leak check after every test of a module marked `pytestmark = pytest.mark.leak_check("<cluster fixture>")`:
+    no reservation, sequence, KV byte or transfer buffer left on any worker of that cluster."""
+    marker = request.node.get_closest_marker("leak_check")
+    cluster: Cluster | None = request.getfixturevalue(marker.args[0]) if marker else None
+    yield
+    if cluster is not None:
+        assert_nothing_held(cluster)

@@ -13,7 +13,7 @@ import pytest
 from gateway.admission import Admission, AdmissionConfig, Overloaded
 from pdserve.client import generate, stream
 from protos import decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, worker_pb2
-from tests.conftest import assert_nothing_held, start_cluster
+from tests.helpers import assert_nothing_held, start_cluster
 
 
 def test_places_queue_and_refusal() -> None:

@@ -12,7 +12,7 @@ import pytest
 from pdserve.client import stream
 from pdserve.cluster import Cluster
 from protos import gateway_pb2, gateway_pb2_grpc
-from tests.conftest import assert_nothing_held, start_cluster
+from tests.helpers import assert_nothing_held, start_cluster
 
 ALICE, BOB = "sk-alice", "sk-bob"
 LONG = {"prompt": "Tell me a story", "max_tokens": 480, "ignore_eos": True, "request_id": "shared"}

@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from pdserve.client import generate
 from pdserve.cluster import Cluster
-from tests.conftest import assert_nothing_held
+from tests.helpers import assert_nothing_held
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "The capital of France is"

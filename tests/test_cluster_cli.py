@@ -17,8 +17,8 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdserve.client import generate
-from pdserve.cluster import Cluster, ClusterConfig, _await_ready, _spawn, stop_all
-from tests.conftest import start_cluster
+from pdserve.cluster import Cluster, ClusterConfig, spawn_service, stop_all, wait_ready
+from tests.helpers import start_cluster
 
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
 
@@ -85,10 +85,10 @@ def test_each_service_has_help(module: str) -> None:
 
 def test_gateway_refuses_to_pair_workers_with_different_dtypes(tiny_model_dir: Path) -> None:
     common = ["--model", str(tiny_model_dir), "--threads", "1", "--port", "0"]
-    workers = [_spawn("prefill", "prefill_service", [*common, "--dtype", "float32"]),
-               _spawn("decode", "decode_service", [*common, "--dtype", "bfloat16"])]
+    workers = [spawn_service("prefill", "prefill_service", [*common, "--dtype", "float32"]),
+               spawn_service("decode", "decode_service", [*common, "--dtype", "bfloat16"])]
     try:
-        _await_ready(workers, time.monotonic() + 120)
+        wait_ready(workers, 120)
         gateway = subprocess.run([sys.executable, "-m", "gateway", "--model", str(tiny_model_dir),
                                   f"--prefill={workers[0].address}", f"--decode={workers[1].address}"],
                                  capture_output=True, text=True, timeout=120)
@@ -162,7 +162,7 @@ def test_services_start_without_a_fork_while_this_process_runs_grpc() -> None:
         # 2. Start short-lived services, pinned as `pdserve cluster` pins workers: every one runs and exits cleanly.
         cpus = {min(os.sched_getaffinity(0))}
         for _ in range(25):
-            service = _spawn("probe", "platform", [], cpus)
+            service = spawn_service("probe", "platform", [], cpus)
             out, _ = service.process.communicate(timeout=60)
             assert service.process.returncode == 0 and out.startswith("Linux")
         # 3. No child ran a fork handler (gRPC's among them) before its exec.
@@ -182,8 +182,8 @@ def test_services_start_without_a_fork_while_this_process_runs_grpc() -> None:
 
 def test_a_service_is_pinned_and_ends_when_the_process_that_started_it_is_killed() -> None:
     core = min(os.sched_getaffinity(0))
-    starts_one = ("import time\nfrom pdserve.cluster import _spawn\n"
-                  f"service = _spawn('probe', 'http.server', ['--bind', '127.0.0.1', '0'], {{{core}}})\n"
+    starts_one = ("import time\nfrom pdserve.cluster import spawn_service\n"
+                  f"service = spawn_service('probe', 'http.server', ['--bind', '127.0.0.1', '0'], {{{core}}})\n"
                   "print(service.process.pid, flush=True)\ntime.sleep(120)")
     starter = subprocess.Popen([sys.executable, "-c", starts_one], stdout=subprocess.PIPE, text=True)
     try:

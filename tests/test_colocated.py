@@ -11,8 +11,9 @@ import pytest
 from pdserve.client import generate, stream
 from pdserve.cluster import Cluster
 from protos import decode_pb2, decode_pb2_grpc, worker_pb2
-from tests.conftest import assert_nothing_held, start_cluster
-from tests.test_generate_e2e import PROMPTS, _assert_greedy_matches_hugging_face
+from tests.helpers import PROMPTS, assert_greedy_matches_hugging_face, assert_nothing_held, start_cluster
+
+pytestmark = pytest.mark.leak_check("colocated")
 
 
 @pytest.fixture(scope="module")
@@ -23,15 +24,9 @@ def colocated(tiny_model_dir: Path) -> Iterator[Cluster]:
     cluster.stop()
 
 
-@pytest.fixture(autouse=True)
-def leak_check(colocated: Cluster) -> Iterator[None]:
-    yield
-    assert_nothing_held(colocated)
-
-
 def test_colocated_greedy_matches_hugging_face_for_concurrent_prompts(colocated: Cluster,
                                                                       tiny_model_dir: Path) -> None:
-    completions = _assert_greedy_matches_hugging_face(colocated, tiny_model_dir)
+    completions = assert_greedy_matches_hugging_face(colocated, tiny_model_dir)
     assert {c.timing.kv_transport for c in completions} == {"colocated"}
     assert all(c.timing.kv_bytes == 0 for c in completions)  # nothing moved
 

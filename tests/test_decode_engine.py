@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,19 +12,12 @@ import engine.prompts as prompts_module
 from engine.core import EngineCore
 from engine.sequence import Sequence
 from model_runner import forward
-from model_runner.loading import LoadedModel, ModelConfig
+from model_runner.loading import LoadedModel
 from model_runner.paged_cache import pieces_of
 from model_runner.sampling import SamplingParams, sample
 
 PROMPTS = [[1, 17, 4242, 99, 7], list(range(300, 340)), [504, 1095, 2208, 314, 3595, 28, 1090, 314, 260, 2632]]
 MAX_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def runner(default_model_dir: Path) -> LoadedModel:
-    """The real model: a random tiny one repeats one token whatever its KV holds, and would hide corruption."""
-    torch.set_num_threads(1)
-    return ModelConfig(model=str(default_model_dir), dtype="float32").load()
 
 
 class _Stream:

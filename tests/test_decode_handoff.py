@@ -5,62 +5,37 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-import torch
 
 from kv_wire import codec, segments
-from kv_wire.layout import KVLayout
-from kv_wire.segments import SegmentMaps, SegmentView
-from kv_wire.sender import KVSender
+from kv_wire.segments import SegmentMaps
 from pdserve.client import generate
 from pdserve.cluster import Cluster
 from protos import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, worker_pb2
-from tests.conftest import assert_nothing_held
+from tests.helpers import GREEDY, PROMPT_TOKENS, assert_nothing_live, kv_layout, kv_stream, reserve, wait_until
 
-PROMPT_TOKENS = 6
-GREEDY = worker_pb2.SamplingParams(temperature=0.0, top_p=1.0)
+pytestmark = pytest.mark.leak_check("tiny_cluster")  # and the lifecycle tests end in the gauges' own check
 
 
 @pytest.fixture
-def decode(tiny_cluster: Cluster):
+def decode(tiny_cluster: Cluster) -> Iterator[decode_pb2_grpc.DecodeStub]:
     with grpc.insecure_channel(tiny_cluster.decode[0].address) as channel:
         yield decode_pb2_grpc.DecodeStub(channel)
-    assert_nothing_held(tiny_cluster)
 
 
-def _reserve(stub, request_id: str, max_tokens: int = 4):
-    call = stub.Generate(decode_pb2.DecodeRequest(request_id=request_id, prompt_tokens=PROMPT_TOKENS,
-                                                  max_tokens=max_tokens, sampling=GREEDY), timeout=30)
-    return call, next(call).reserved.token
-
-
-def _layout(stub) -> tuple[worker_pb2.ModelInfo, KVLayout]:
-    model = stub.GetInfo(worker_pb2.WorkerInfoRequest()).model
-    return model, KVLayout(model.num_layers, model.num_kv_heads, model.head_dim, PROMPT_TOKENS, model.dtype)
-
-
-def _kv_stream(stub, request_id: str, token: str, fingerprint: str | None = None, segment: SegmentView | None = None,
-               layers: int | None = None) -> list[kv_transfer_pb2.KVTransfer]:
-    """As prefill sends it, one layer at a time as each is produced; into `segment` if given (descriptors on the
-    wire). With `layers`, only that many layers are sent, and the stream stops there (a writer that never
-    finished)."""
-    model, layout = _layout(stub)
-    sender = KVSender(request_id, token, fingerprint or model.fingerprint, layout, chunk_bytes=256, segment=segment)
-    messages = [sender.header()]
-    for layer in range(model.num_layers if layers is None else layers):
-        chunks = sender.encode([(layer, torch.randn(layout.tensor_shape), torch.randn(layout.tensor_shape))])
-        messages += map(kv_transfer_pb2.KVTransfer.FromString, chunks)
-    return messages + ([sender.trailer(first_token=42)] if layers is None else [])
+def _live_transfers(stub: decode_pb2_grpc.DecodeStub) -> int:
+    return stub.GetInfo(worker_pb2.WorkerInfoRequest(), timeout=5).live_transfers
 
 
 def _shm_kv_stream(stub, request_id: str, token: str, segment: str, layers: int | None = None):
-    """_kv_stream written into the reservation's lent segment, and the segment as this process opened it."""
-    lent = SegmentMaps().open(segment, token, _layout(stub)[1].total_bytes)
+    """kv_stream written into the reservation's lent segment, and the segment as this process opened it."""
+    lent = SegmentMaps().open(segment, token, kv_layout(stub)[1].total_bytes)
     assert lent is not None, "the reservation's segment opens from this process"
-    return _kv_stream(stub, request_id, token, segment=lent, layers=layers), lent
+    return kv_stream(stub, request_id, token, segment=lent, layers=layers), lent
 
 
 def _refused(call_kv, messages) -> grpc.StatusCode:
@@ -75,19 +50,25 @@ def _stream_failure(call) -> grpc.StatusCode:
     return failed.value.code()
 
 
-def test_valid_handoff_streams_tokens(decode) -> None:
-    call, token = _reserve(decode, "handoff-ok", max_tokens=4)
-    ack = decode.TransferKV(iter(_kv_stream(decode, "handoff-ok", token)), timeout=30)
+def test_valid_handoff_streams_tokens(decode, tiny_cluster: Cluster) -> None:
+    # 1. Reserve: a slot and KV for the prompt, held under a token.
+    call, token = reserve(decode, "handoff-ok", max_tokens=4)
+    assert decode.GetInfo(worker_pb2.WorkerInfoRequest()).live_reservations == 1
+    # 2. Transfer: the KV stream presenting the token is accepted whole, and admitted.
+    ack = decode.TransferKV(iter(kv_stream(decode, "handoff-ok", token)), timeout=30)
     assert ack.chunks_received > 0
+    # 3. Stream: the tokens after the first, which came from "prefill", and the finish reason.
     events = list(call)
     tokens = [t for e in events for t in e.tokens.token_ids]
     assert len(tokens) == 3  # 4 tokens, the first came from "prefill"
     assert events[-1].tokens.finish_reason == "length"
+    # 4. Leak check: every live gauge is back at zero.
+    assert_nothing_live(tiny_cluster)
 
 
 def test_chunks_batched_in_one_message_are_each_checked_and_accepted(decode) -> None:
-    call, token = _reserve(decode, "batched", max_tokens=2)
-    messages = _kv_stream(decode, "batched", token)
+    call, token = reserve(decode, "batched", max_tokens=2)
+    messages = kv_stream(decode, "batched", token)
     chunks = [m.chunk for m in messages[1:-1]]
     batches = [kv_transfer_pb2.KVTransfer(chunks=kv_transfer_pb2.KVChunks(chunk=chunks[i : i + 3]))
                for i in range(0, len(chunks), 3)]
@@ -96,17 +77,22 @@ def test_chunks_batched_in_one_message_are_each_checked_and_accepted(decode) -> 
     assert list(call)[-1].tokens.finish_reason == "length"
 
 
-def test_forged_token_is_refused_and_reservation_stays_usable(decode) -> None:
-    call, token = _reserve(decode, "forged")
-    forged = _kv_stream(decode, "forged", "not-the-token")
+def test_forged_token_is_refused_and_reservation_stays_usable(decode, tiny_cluster: Cluster) -> None:
+    # 1. Reserve.
+    call, token = reserve(decode, "forged")
+    # 2. A stream with a forged token is refused, and the reservation is untouched.
+    forged = kv_stream(decode, "forged", "not-the-token")
     assert _refused(decode.TransferKV, forged) == grpc.StatusCode.PERMISSION_DENIED
-    decode.TransferKV(iter(_kv_stream(decode, "forged", token)), timeout=30)  # the real holder still gets through
+    # 3. The real holder still gets through, and the tokens stream to the end.
+    decode.TransferKV(iter(kv_stream(decode, "forged", token)), timeout=30)
     assert list(call)[-1].tokens.finish_reason
+    # 4. Leak check.
+    assert_nothing_live(tiny_cluster)
 
 
 def test_reused_token_is_refused(decode) -> None:
-    call, token = _reserve(decode, "reused")
-    messages = _kv_stream(decode, "reused", token)
+    call, token = reserve(decode, "reused")
+    messages = kv_stream(decode, "reused", token)
     decode.TransferKV(iter(messages), timeout=30)
     assert _refused(decode.TransferKV, messages) == grpc.StatusCode.PERMISSION_DENIED
     list(call)
@@ -120,9 +106,9 @@ def test_reused_token_is_refused(decode) -> None:
     ("empty_chunks", grpc.StatusCode.INVALID_ARGUMENT),
 ])
 def test_bad_stream_is_refused_and_fails_the_reservation_at_once(decode, damage: str, code: grpc.StatusCode) -> None:
-    call, token = _reserve(decode, f"bad-{damage}")
+    call, token = reserve(decode, f"bad-{damage}")
     fingerprint = "another-model" if damage == "fingerprint" else None
-    messages = _kv_stream(decode, f"bad-{damage}", token, fingerprint)
+    messages = kv_stream(decode, f"bad-{damage}", token, fingerprint)
     if damage == "checksum":
         messages[5].chunk.checksum ^= 1
     elif damage == "no_trailer":
@@ -136,8 +122,8 @@ def test_bad_stream_is_refused_and_fails_the_reservation_at_once(decode, damage:
 
 
 def test_undecodable_message_mid_stream_is_invalid_argument(decode, tiny_cluster: Cluster) -> None:
-    call, token = _reserve(decode, "garbage")
-    messages = [m.SerializeToString() for m in _kv_stream(decode, "garbage", token)]
+    call, token = reserve(decode, "garbage")
+    messages = [m.SerializeToString() for m in kv_stream(decode, "garbage", token)]
     messages[3] = b"\xff\xff\xff"
     with grpc.insecure_channel(tiny_cluster.decode[0].address) as channel:
         raw = channel.stream_unary(codec.TRANSFER_KV_METHOD)  # bytes as they are, past any serializer
@@ -145,42 +131,57 @@ def test_undecodable_message_mid_stream_is_invalid_argument(decode, tiny_cluster
     assert _stream_failure(call) == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_released_reservation_ends_its_stalled_kv_stream_at_once(decode) -> None:
-    call, token = _reserve(decode, "released-mid-stream")
-    messages = _kv_stream(decode, "released-mid-stream", token)
+def test_released_reservation_ends_its_stalled_kv_stream_at_once(decode, tiny_cluster: Cluster) -> None:
+    # 1. Reserve.
+    call, token = reserve(decode, "released-mid-stream")
+    messages = kv_stream(decode, "released-mid-stream", token)
     unblock = threading.Event()
 
     def header_then_stall():
         yield from messages[:3]
         unblock.wait(30)  # a sender that stopped sending
 
+    # 2. Transfer the header and two chunks, then stall: the stream has claimed the reservation.
     transfer = decode.TransferKV.future(header_then_stall(), timeout=30)
     try:
-        time.sleep(0.5)  # the header and two chunks are in
+        wait_until(lambda: _live_transfers(decode) == 1, "the KV stream to claim its reservation")
+        # 3. Cancel: the gateway gives up on the request, and the stalled stream ends at once, not at the lease.
         started = time.monotonic()
-        call.cancel()  # the gateway gives up on the request
+        call.cancel()
         with pytest.raises(grpc.RpcError) as ended:
             transfer.result(timeout=10)
         assert ended.value.code() == grpc.StatusCode.CANCELLED
         assert time.monotonic() - started < 2.0  # not at the 3 s lease
     finally:
         unblock.set()
+    # 4. Leak check.
+    assert_nothing_live(tiny_cluster)
 
 
-def test_reservation_whose_kv_never_arrives_expires_with_its_lease(decode) -> None:
-    call, _ = _reserve(decode, "never-sent")  # the tiny cluster's lease is 3 s
+def test_reservation_whose_kv_never_arrives_expires_with_its_lease(decode, tiny_cluster: Cluster) -> None:
+    # 1. Reserve, and send nothing.
+    call, _ = reserve(decode, "never-sent")
+    # 2. The lease ends (the tiny cluster's is 3 s): the call fails, DEADLINE_EXCEEDED.
     assert _stream_failure(call) == grpc.StatusCode.DEADLINE_EXCEEDED
+    # 3. Leak check.
+    assert_nothing_live(tiny_cluster)
 
 
 def test_full_worker_refuses_reservations_and_gateway_uses_the_other(decode, tiny_cluster: Cluster) -> None:
-    held = [_reserve(decode, f"fill-{i}") for i in range(4)]  # --max-seqs=4
+    # 1. Fill the worker: --max-seqs=4.
+    held = [reserve(decode, f"fill-{i}") for i in range(4)]
+    # 2. A fifth reservation is refused.
     with pytest.raises(grpc.RpcError) as full:
-        _reserve(decode, "one-too-many")
+        reserve(decode, "one-too-many")
     assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # 3. Requests through the gateway go to the other worker.
     for _ in range(2):  # round robin would pick the full worker for one of these
         assert generate(tiny_cluster.gateway.address, timeout=30, prompt="Hi", max_tokens=2).finish_reason
+    # 4. Cancel the held reservations.
     for call, _ in held:
         call.cancel()
+    # 5. Leak check.
+    assert_nothing_live(tiny_cluster)
 
 
 def test_bad_decode_request_is_invalid_argument(decode) -> None:
@@ -203,10 +204,11 @@ def test_a_request_cancelled_while_its_segment_is_being_made_gets_it_back(tiny_m
     servicer = DecodeServicer(config, config.model.load())
     pool = servicer.lender.pool
     assert pool is not None
-    made = threading.Event()
+    acquiring, made = threading.Event(), threading.Event()
 
     def slow_acquire(nbytes: int) -> object:
-        time.sleep(0.3)
+        acquiring.set()
+        time.sleep(0.3)  # the point of the test: a segment slow to make, so the cancel lands while it is made
         try:
             return type(pool).acquire(pool, nbytes)
         finally:
@@ -215,50 +217,60 @@ def test_a_request_cancelled_while_its_segment_is_being_made_gets_it_back(tiny_m
     pool.acquire = slow_acquire  # type: ignore[method-assign]
 
     async def cancel_mid_acquire() -> None:
+        # 1. Reserve, and start lending the reservation a segment.
         reservation = servicer.table.reserve(DecodeParams("r", 8, 4, SamplingParams(temperature=0.0), False))
         lending = asyncio.ensure_future(servicer.lender.lend(reservation))
-        await asyncio.sleep(0.05)
+        # 2. Cancel the request while the segment is being made.
+        assert await asyncio.to_thread(acquiring.wait, 5)
         lending.cancel()
         await asyncio.gather(lending, return_exceptions=True)
+        # 3. The segment is made after all, and goes back to its pool (a done callback, on the loop), before the
+        # reservation is released.
         assert await asyncio.to_thread(made.wait, 5)
-        await asyncio.sleep(0.05)  # the done callback runs on the loop
+        await asyncio.to_thread(wait_until, lambda: pool.held_bytes == 0, "the late segment back in its pool",
+                                timeout_s=5)
         servicer.table.release(reservation)
 
     try:
         asyncio.run(cancel_mid_acquire())
+        # 4. Leak check: the pool lends nothing.
         assert pool.held_bytes == 0
     finally:
         pool.close()
 
 
-def test_admitted_kv_gives_its_segment_back_and_an_unfinished_writer_retires_its_segment(decode) -> None:
-    def reserve(request_id: str):
+def test_admitted_kv_gives_its_segment_back_and_an_unfinished_writer_retires_its_segment(
+    decode, tiny_cluster: Cluster
+) -> None:
+    def reserve_segment(request_id: str):
         call = decode.Generate(decode_pb2.DecodeRequest(request_id=request_id, prompt_tokens=PROMPT_TOKENS,
                                                         max_tokens=2, sampling=GREEDY), timeout=30)
         reserved = next(call).reserved
         assert reserved.shm_segment, "a decode worker on this host lends a segment"
         return call, reserved
 
-    # KV admitted from shared memory: read from the segment until it joined, then lent to the next request.
-    call, reserved = reserve("segment-admitted")
+    # 1. Reserve: the reservation is lent a shared-memory segment.
+    call, reserved = reserve_segment("segment-admitted")
+    # 2. Transfer through the segment; admitted, the KV is read from it until it joined, and the request finishes.
     messages, _ = _shm_kv_stream(decode, "segment-admitted", reserved.token, reserved.shm_segment)
     decode.TransferKV(iter(messages), timeout=30)
     assert len([t for e in call for t in e.tokens.token_ids]) == 1  # max_tokens 2: the first came with the KV
-    call, again = reserve("segment-reused")
+    # 3. The segment went back to the pool: the next reservation is lent the same one.
+    call, again = reserve_segment("segment-reused")
     assert again.shm_segment == reserved.shm_segment
-
-    # A writer that wrote a layer and never finished: the request ends, and its segment is never lent again.
+    # 4. A writer that wrote a layer and never finished, then the request is cancelled: its segment is retired, never
+    # lent again.
     _, lent = _shm_kv_stream(decode, "segment-reused", again.token, again.shm_segment, layers=1)
     call.cancel()
     path = segments.SHM_DIR / again.shm_segment
-    deadline = time.monotonic() + 10
-    while path.exists() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not path.exists(), "the unfinished transfer's segment was retired"
+    wait_until(lambda: not path.exists(), "the unfinished transfer's segment to be retired")
     assert not lent.still_lent()  # and the writer, between layers, sees it was taken back
     lent.data[:] = 0xFF  # the late writer's bytes land where nobody reads them
-    call, fresh = reserve("after-the-retirement")
+    # 5. The next reservation gets a fresh segment, and its handoff works.
+    call, fresh = reserve_segment("after-the-retirement")
     assert fresh.shm_segment != again.shm_segment
     messages, _ = _shm_kv_stream(decode, "after-the-retirement", fresh.token, fresh.shm_segment)
     decode.TransferKV(iter(messages), timeout=30)
     assert len([t for e in call for t in e.tokens.token_ids]) == 1  # max_tokens 2: the first came with the KV
+    # 6. Leak check.
+    assert_nothing_live(tiny_cluster)

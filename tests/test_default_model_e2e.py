@@ -9,8 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from pdserve.client import generate
-from tests.conftest import assert_nothing_held, start_cluster
-from tests.test_generate_e2e import hf_greedy
+from tests.helpers import assert_nothing_held, hf_greedy, start_cluster
 
 pytestmark = pytest.mark.slow
 

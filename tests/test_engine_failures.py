@@ -4,7 +4,6 @@ and the engine holds nothing for it afterwards."""
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,19 +14,13 @@ from engine.core import EngineCore
 from engine.prompts import Prefilled, PromptJob
 from engine.sequence import FAILED, Sequence
 from model_runner import forward
-from model_runner.loading import LoadedModel, ModelConfig
+from model_runner.loading import LoadedModel
 from model_runner.paged_cache import PagedKVCache, pieces_of
 from model_runner.sampling import SamplingParams, sample
 
 POISON = 7777  # a prompt that starts with this token gets NaN logits from the wrapped forward pass
 SAMPLED = SamplingParams(temperature=0.8, seed=3)  # NaN logits make multinomial raise
 MAX_TOKENS = 6
-
-
-@pytest.fixture(scope="module")
-def runner(tiny_model_dir: Path) -> LoadedModel:
-    torch.set_num_threads(1)
-    return ModelConfig(model=str(tiny_model_dir), dtype="float32").load()
 
 
 def _poisoned_prefill_pass(passes: list[list[int]]):  # type: ignore[no-untyped-def]
@@ -63,11 +56,11 @@ class _Outcomes:
 
 
 def test_a_prompt_whose_first_token_cannot_be_sampled_fails_alone_and_once(
-    runner: LoadedModel, monkeypatch: pytest.MonkeyPatch
+    tiny_runner: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     passes: list[list[int]] = []
     monkeypatch.setattr(prompts_module, "prefill_pass", _poisoned_prefill_pass(passes))
-    engine = EngineCore(runner, batch_tokens=256)
+    engine = EngineCore(tiny_runner, batch_tokens=256)
     engine.start()
     try:
         # 1. Hold the engine inside a pass, so the next three prompts queue up and share one pass.
@@ -111,7 +104,7 @@ class _Stream:
 
 
 def test_a_sequence_whose_next_token_cannot_be_sampled_fails_alone_and_the_batch_goes_on(
-    runner: LoadedModel, monkeypatch: pytest.MonkeyPatch
+    tiny_runner: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     poisoned_from = 40  # only the 40-token prompt's rows reach this position (the others end before 22)
 
@@ -124,11 +117,11 @@ def test_a_sequence_whose_next_token_cannot_be_sampled_fails_alone_and_the_batch
         return logits
 
     monkeypatch.setattr(batch_module, "decode_step", poisoned_step)
-    engine = EngineCore(runner, kv_blocks=64)
+    engine = EngineCore(tiny_runner, kv_blocks=64)
     # 1. Three sequences with their prefilled KV, all queued before the engine starts: they join one batch.
     streams = [_Stream(prompt) for prompt in ([1, 17, 4242, 99, 7], list(range(300, 340)), list(range(500, 510)))]
     for stream in streams:
-        logits, kv = forward.prefill(runner, stream.prompt)
+        logits, kv = forward.prefill(tiny_runner, stream.prompt)
         stream.tokens = [sample(logits, SAMPLED, position=len(stream.prompt))]
         stream.seq.tokens = list(stream.tokens)
         engine.submit_kv(stream.seq, pieces_of(kv), release=lambda: None)
@@ -148,11 +141,11 @@ def test_a_sequence_whose_next_token_cannot_be_sampled_fails_alone_and_the_batch
 
 
 def test_a_colocated_prompt_whose_first_token_cannot_be_sampled_fails_alone(
-    runner: LoadedModel, monkeypatch: pytest.MonkeyPatch
+    tiny_runner: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     passes: list[list[int]] = []
     monkeypatch.setattr(prompts_module, "prefill_pass", _poisoned_prefill_pass(passes))
-    engine = EngineCore(runner, kv_blocks=64)
+    engine = EngineCore(tiny_runner, kv_blocks=64)
     # 1. Three prompts queued before the engine starts share one prefill pass; the poisoned one is in the middle.
     streams = [_Stream(prompt) for prompt in ([1, 17, 4242, 99, 7], [POISON, 5, 6], list(range(500, 510)))]
     for stream in streams:

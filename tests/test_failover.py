@@ -16,10 +16,7 @@ import pytest
 
 from pdserve.client import generate, stream
 from pdserve.cluster import Cluster, Service
-from protos import decode_pb2_grpc, worker_pb2
-from tests.conftest import assert_nothing_held, start_cluster
-
-PROMPT = "Write a short poem about the sea, the wind, and the long night of the northern winter."
+from tests.helpers import POEM, assert_nothing_held, decoding_worker, start_cluster
 
 
 def _kill(cluster: Cluster, service: Service) -> None:
@@ -28,19 +25,6 @@ def _kill(cluster: Cluster, service: Service) -> None:
     for pool in (cluster.prefill, cluster.decode):
         if service in pool:
             pool.remove(service)  # the leak checks ask the living only
-
-
-def _decoding(cluster: Cluster) -> Service:
-    """The decode worker running a sequence now."""
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        for service in cluster.decode:
-            with grpc.insecure_channel(service.address) as channel:
-                info = decode_pb2_grpc.DecodeStub(channel).GetInfo(worker_pb2.WorkerInfoRequest(), timeout=5)
-            if info.live_sequences:
-                return service
-        time.sleep(0.01)
-    raise AssertionError("no decode worker is running a sequence")
 
 
 @pytest.fixture
@@ -52,7 +36,7 @@ def two_by_two(tiny_model_dir: Path) -> Iterator[Cluster]:
 
 def test_requests_after_a_prefill_worker_is_killed_are_retried_on_the_other(two_by_two: Cluster) -> None:
     address = two_by_two.gateway.address
-    fields = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    fields = {"prompt": POEM, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
     expected = generate(address, timeout=60, **fields).token_ids
     _kill(two_by_two, two_by_two.prefill[0])
     completions = [generate(address, timeout=60, **fields) for _ in range(4)]
@@ -68,7 +52,7 @@ def test_a_stream_whose_decode_worker_is_killed_migrates_without_losing_or_repea
     two_by_two: Cluster,
 ) -> None:
     address = two_by_two.gateway.address
-    fields = {"prompt": PROMPT, "max_tokens": 300, "temperature": 0.9, "seed": 7, "ignore_eos": True}
+    fields = {"prompt": POEM, "max_tokens": 300, "temperature": 0.9, "seed": 7, "ignore_eos": True}
     expected = generate(address, timeout=60, **fields).token_ids
     assert len(expected) == 300
     received: list[int] = []
@@ -77,7 +61,7 @@ def test_a_stream_whose_decode_worker_is_killed_migrates_without_losing_or_repea
         received += response.token_ids
         if final is None and len(received) >= 5:
             final = False
-            _kill(two_by_two, _decoding(two_by_two))  # mid-stream, tokens already on their way
+            _kill(two_by_two, decoding_worker(two_by_two))  # mid-stream, tokens already on their way
         if response.finish_reason:
             final = response
     assert final is not None and final is not False
@@ -89,13 +73,13 @@ def test_a_stream_whose_decode_worker_is_killed_migrates_without_losing_or_repea
 
 def test_a_failure_that_another_worker_cannot_fix_is_not_retried(two_by_two: Cluster) -> None:
     with pytest.raises(grpc.RpcError) as refused:
-        generate(two_by_two.gateway.address, timeout=60, prompt=PROMPT, max_tokens=10**6)
+        generate(two_by_two.gateway.address, timeout=60, prompt=POEM, max_tokens=10**6)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     for service in list(two_by_two.decode):
         _kill(two_by_two, service)
     started = time.monotonic()
     with pytest.raises(grpc.RpcError) as unavailable:
-        generate(two_by_two.gateway.address, timeout=60, prompt=PROMPT, max_tokens=4)
+        generate(two_by_two.gateway.address, timeout=60, prompt=POEM, max_tokens=4)
     assert unavailable.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "no decode worker reachable" in (unavailable.value.details() or "")
     assert time.monotonic() - started < 10  # bounded retries with backoff, not a hang

@@ -13,7 +13,7 @@ from model_runner import forward
 from model_runner.loading import LoadedModel, ModelConfig, load_model
 from model_runner.paged_cache import BLOCK_SIZE, OutOfBlocks, PagedKVCache, pieces_of
 from pdserve.client import generate
-from tests.conftest import assert_nothing_held, start_cluster
+from tests.helpers import assert_nothing_held, start_cluster
 
 QUALITY_PROMPTS = [
     "The capital of France is",

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from pdserve.cluster import Cluster
 from protos import gateway_pb2, gateway_pb2_grpc
-from tests.conftest import assert_nothing_held
+from tests.helpers import assert_nothing_held
 
 EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "60"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ.get("PDSERVE_FUZZ_RANDOM"),

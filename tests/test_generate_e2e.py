@@ -2,51 +2,22 @@
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from pdserve.client import generate, stream
 from pdserve.cluster import Cluster
 from protos import gateway_pb2, gateway_pb2_grpc
-from tests.conftest import assert_nothing_held, start_cluster
+from tests.helpers import PROMPTS, assert_greedy_matches_hugging_face, assert_nothing_held, start_cluster
 
-PROMPTS = [
-    "Hi",
-    "The capital of France is",
-    "Write a short poem about the sea, the wind, and the long night of the northern winter.",
-    "def fibonacci(n):\n    " * 12,
-]
-
-
-def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Reference: Hugging Face generate, greedy, same model and dtype."""
-    model = _hf_model(model_dir)
-    output = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
-    return output[0, len(prompt_ids):].tolist()
-
-
-_models: dict[Path, torch.nn.Module] = {}
-
-
-def _hf_model(model_dir: Path) -> torch.nn.Module:
-    if model_dir not in _models:
-        _models[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return _models[model_dir]
-
-
-@pytest.fixture(autouse=True)
-def leak_check(tiny_cluster: Cluster):
-    yield
-    assert_nothing_held(tiny_cluster)
+pytestmark = pytest.mark.leak_check("tiny_cluster")
 
 
 def test_greedy_matches_hugging_face_for_concurrent_prompts(tiny_cluster: Cluster, tiny_model_dir: Path) -> None:
-    completions = _assert_greedy_matches_hugging_face(tiny_cluster, tiny_model_dir)
+    completions = assert_greedy_matches_hugging_face(tiny_cluster, tiny_model_dir)
     assert {c.timing.kv_transport for c in completions} == {"shm"}  # same host: the fast path is chosen by itself
     assert all(c.timing.kv_bytes > 0 for c in completions)
 
@@ -64,31 +35,12 @@ def test_greedy_identity_holds_on_every_kv_path(
 ) -> None:
     cluster = start_cluster(tiny_model_dir, prefill=1, decode=1, prefill_args=prefill_args)
     try:
-        completions = _assert_greedy_matches_hugging_face(cluster, tiny_model_dir)
+        completions = assert_greedy_matches_hugging_face(cluster, tiny_model_dir)
         assert {c.timing.kv_transport for c in completions} == {transport}
         assert all(c.timing.kv_bytes > 0 for c in completions)
         assert_nothing_held(cluster)
     finally:
         cluster.stop()
-
-
-def _assert_greedy_matches_hugging_face(cluster: Cluster, model_dir: Path) -> list:
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    address = cluster.gateway.address
-    max_tokens = 24
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        completions = list(pool.map(
-            lambda p: generate(address, timeout=60, prompt=p, max_tokens=max_tokens, temperature=0.0), PROMPTS))
-    for prompt, completion in zip(PROMPTS, completions):
-        prompt_ids = tokenizer(prompt).input_ids
-        expected = hf_greedy(model_dir, prompt_ids, max_tokens)
-        assert completion.token_ids == expected, prompt
-        assert completion.text == tokenizer.decode(expected, skip_special_tokens=True)
-        assert completion.finish_reason == ("stop" if expected[-1] == 2 else "length")
-        assert completion.usage.prompt_tokens == len(prompt_ids)
-        assert completion.usage.completion_tokens == len(expected)
-        assert completion.timing.ttft_ms > 0
-    return completions
 
 
 def test_token_ids_prompt_gives_same_tokens_as_text_prompt(tiny_cluster: Cluster, tiny_model_dir: Path) -> None:

@@ -31,8 +31,7 @@ from gateway.request import MAX_MESSAGES, InvalidRequest, max_prompt_chars, pars
 from pdserve.cluster import Cluster
 from protos import gateway_pb2, gateway_pb2_grpc
 from serving.server import MAX_MESSAGE_BYTES
-from tests.conftest import assert_nothing_held, start_cluster
-from tests.test_metrics import _live
+from tests.helpers import assert_nothing_held, assert_nothing_live, start_cluster
 
 BODY_TIMEOUT_S = 0.5  # the gateway's --http-body-timeout here, so that a slowloris body is refused quickly
 CONTEXT = 512  # the tiny model's
@@ -446,13 +445,6 @@ print(json.dumps([finished, gaps]))
 """
 
 
-def _wait_idle(cluster: Cluster, within_s: float = 1.0) -> None:
-    deadline = time.monotonic() + within_s
-    while set(_live(cluster).values()) != {0}:
-        assert time.monotonic() < deadline, f"still live after {within_s} s: {_live(cluster)}"
-        time.sleep(0.02)
-
-
 BIG = [  # what used to run on the gateway's event loop before any size check (issue 21 item 5)
     Entry("a prompt just under the body cap", _completion(prompt="x" * (MAX_BODY_BYTES - 100)), 400, "characters"),
     Entry("a 3.9 MB gRPC prompt", _generate(prompt="x" * 3_900_000), "INVALID_ARGUMENT", "characters"),
@@ -476,7 +468,7 @@ def test_big_requests_are_refused_at_once_while_a_bystander_keeps_its_pace(hosti
     print(f"bystander p99 gap alone {alone.p99 * 1e3:.1f} ms, beside big requests {beside.p99 * 1e3:.1f} ms "
           f"({beside.p99 / alone.p99:.2f}x); slowest refusal {max(r.seconds for _, r in replies) * 1e3:.0f} ms")
     assert beside.p99 < 3 * alone.p99 + 0.02
-    _wait_idle(hostile)
+    assert_nothing_live(hostile, within_s=1.0)
 
 
 @pytest.mark.timeout(300)
@@ -505,5 +497,5 @@ def test_the_hostile_corpus_gets_precise_statuses_fast_and_leaves_nothing_held(h
           f"({beside.p99 / alone.p99:.2f}x) over {beside.finished} streams")
     assert beside.p99 < 3 * alone.p99 + 0.02
     # 4. leak check
-    _wait_idle(hostile)
+    assert_nothing_live(hostile, within_s=1.0)
     assert_nothing_held(hostile)

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from pdserve.cluster import Cluster
-from tests.conftest import assert_nothing_held, start_cluster
+from tests.helpers import assert_nothing_held, start_cluster
 
 
 def _post(cluster: Cluster, body: dict) -> tuple[int, bytes, float]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import grpc
@@ -16,25 +15,16 @@ import pytest
 
 from kv_wire.segments import SEGMENT_PREFIX, SHM_DIR
 from pdserve.client import generate
-from pdserve.cluster import _await_ready, _spawn, stop_all
+from pdserve.cluster import spawn_service, stop_all, wait_ready
 from pdserve.faults import FaultProxy
 from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, worker_pb2
-from tests.conftest import assert_nothing_held, start_cluster
-from tests.test_decode_handoff import GREEDY, _kv_stream, _reserve
+from tests.helpers import GREEDY, assert_nothing_held, kv_stream, reserve, start_cluster, wait_until
 
 LEASE_S = 2.0
 
 
 def _info(stub: decode_pb2_grpc.DecodeStub) -> worker_pb2.WorkerInfo:
     return stub.GetInfo(worker_pb2.WorkerInfoRequest(), timeout=5)
-
-
-def _wait_for(condition, what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def _killed(process: subprocess.Popen) -> None:
@@ -65,7 +55,8 @@ def test_killing_prefill_mid_transfer_leaves_decode_holding_nothing_once_the_lea
                 reservation_token=reservation.token, shm_segment=reservation.shm_segment), timeout=60)
             assert next(prefill_call).WhichOneof("event") == "first_token"
             # Decode accepted the header and the stream is stuck mid-transfer.
-            _wait_for(lambda: _info(decode).live_transfers == 1 and proxy.stalled.is_set(), "a stuck transfer")
+            wait_until(lambda: _info(decode).live_transfers == 1 and proxy.stalled.is_set(), "a stuck transfer",
+                       timeout_s=20)
             assert _info(decode).live_reservations == 1
 
             _killed(cluster.prefill[0].process)
@@ -77,8 +68,8 @@ def test_killing_prefill_mid_transfer_leaves_decode_holding_nothing_once_the_lea
                 0, 0, 0, 0)
 
             # The decode worker keeps serving: a valid handoff right after streams its tokens.
-            call, token = _reserve(decode, "after-the-kill", max_tokens=3)
-            decode.TransferKV(iter(_kv_stream(decode, "after-the-kill", token)), timeout=30)
+            call, token = reserve(decode, "after-the-kill", max_tokens=3)
+            decode.TransferKV(iter(kv_stream(decode, "after-the-kill", token)), timeout=30)
             assert sum(len(e.tokens.token_ids) for e in call) == 2  # the first token came in the trailer
             assert_nothing_held(cluster, prefill=False)
     finally:
@@ -90,16 +81,16 @@ def test_segments_of_a_killed_decode_worker_are_removed_when_the_next_one_starts
     cluster = start_cluster(tiny_model_dir)
     try:
         with grpc.insecure_channel(cluster.decode[0].address) as channel:
-            _, token = _reserve(decode_pb2_grpc.DecodeStub(channel), "orphaned")
+            _, token = reserve(decode_pb2_grpc.DecodeStub(channel), "orphaned")
             segments = sorted(SHM_DIR.glob(f"{SEGMENT_PREFIX}{cluster.decode[0].process.pid}-*"))
             assert segments, "the reservation lent a segment"
             _killed(cluster.decode[0].process)  # with the reservation live: nothing ended it
         assert all(s.exists() for s in segments)  # a SIGKILLed owner cannot clean up
 
-        successor = _spawn("decode", "decode_service", ["--host", "127.0.0.1", "--port", "0", "--threads", "1",
-                                                        "--model", str(tiny_model_dir)])
+        successor = spawn_service("decode", "decode_service", ["--host", "127.0.0.1", "--port", "0", "--threads",
+                                                               "1", "--model", str(tiny_model_dir)])
         try:
-            _await_ready([successor], time.monotonic() + 120)
+            wait_ready([successor], 120)
             assert not any(s.exists() for s in segments)
         finally:
             stop_all([successor], grace_s=10)

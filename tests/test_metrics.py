@@ -2,52 +2,29 @@
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
 
 from pdserve.client import generate, stream
-from pdserve.cluster import Cluster, Service
+from pdserve.cluster import Cluster
 from protos import decode_pb2_grpc, kv_transfer_pb2
 from serving.metrics import scrape
-from tests.conftest import assert_nothing_held
-
-LIVE = {"gateway": ["pdserve_live_requests"], "prefill": ["pdserve_live_prefills", "pdserve_queued_tokens"],
-        "decode": ["pdserve_live_reservations", "pdserve_live_sequences", "pdserve_live_kv_bytes",
-                   "pdserve_live_buffer_bytes"]}
-
-
-def _services(cluster: Cluster) -> list[tuple[str, Service]]:
-    return [("gateway", cluster.gateway), *(("prefill", s) for s in cluster.prefill),
-            *(("decode", s) for s in cluster.decode)]
-
-
-def _live(cluster: Cluster) -> dict[str, float]:
-    totals: dict[str, float] = {}
-    for role, service in _services(cluster):
-        samples = scrape(service.metrics)
-        for name in LIVE[role]:
-            totals[name] = totals.get(name, 0) + samples[name]
-    return totals
+from tests.helpers import assert_nothing_held, assert_nothing_live, live_gauges, services_by_role, wait_until
 
 
 def test_live_gauges_follow_a_stream_and_return_to_zero_when_it_is_cancelled(tiny_cluster: Cluster) -> None:
-    assert all(service.metrics for _, service in _services(tiny_cluster))  # announced in the cluster's JSON line
-    assert set(_live(tiny_cluster).values()) == {0}
-    before = {role: scrape(service.metrics) for role, service in _services(tiny_cluster)[:1]}["gateway"]
+    assert all(service.metrics for _, service in services_by_role(tiny_cluster))  # announced in the cluster's JSON line
+    assert set(live_gauges(tiny_cluster).values()) == {0}
+    before = {role: scrape(service.metrics) for role, service in services_by_role(tiny_cluster)[:1]}["gateway"]
     responses = stream(tiny_cluster.gateway.address, 60, prompt="Tell me a long story", max_tokens=400,
                        ignore_eos=True)
     next(responses)
     next(responses)
-    live = _live(tiny_cluster)
+    live = live_gauges(tiny_cluster)
     assert live["pdserve_live_requests"] == 1 and live["pdserve_live_sequences"] == 1
     assert live["pdserve_live_kv_bytes"] > 0
     responses.close()  # type: ignore[attr-defined]  # cancels the request
-    deadline = time.monotonic() + 1.0
-    while set(_live(tiny_cluster).values()) != {0}:
-        assert time.monotonic() < deadline, _live(tiny_cluster)
-        time.sleep(0.02)
+    assert_nothing_live(tiny_cluster, within_s=1.0)
     after = scrape(tiny_cluster.gateway.metrics)
     assert after["pdserve_requests_total"] == before["pdserve_requests_total"] + 1
     assert after["pdserve_cancellations_total"] == before["pdserve_cancellations_total"] + 1
@@ -76,7 +53,7 @@ def test_latency_histograms_and_token_counters_move_when_requests_run(tiny_clust
 def test_worker_histograms_and_kv_transfer_counters_move_by_path(tiny_cluster: Cluster) -> None:
     def totals() -> dict[str, float]:
         found: dict[str, float] = {}
-        for role, service in _services(tiny_cluster)[1:]:
+        for role, service in services_by_role(tiny_cluster)[1:]:
             for name, value in scrape(service.metrics).items():
                 found[f"{role} {name}"] = found.get(f"{role} {name}", 0) + value
         return found
@@ -84,12 +61,9 @@ def test_worker_histograms_and_kv_transfer_counters_move_by_path(tiny_cluster: C
     before = totals()
     completion = generate(tiny_cluster.gateway.address, timeout=60, prompt="Hi there", max_tokens=6, ignore_eos=True)
     shm = '{path="shm"}'  # prefill and decode share this host: the KV moved through shared memory
-    deadline = time.monotonic() + 2.0
-    while totals()["decode pdserve_request_decode_time_seconds_count"] == before.get(
-            "decode pdserve_request_decode_time_seconds_count", 0):  # observed as the worker lets the request go
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    after = totals()
+    decoded = "decode pdserve_request_decode_time_seconds_count"  # observed as the worker lets the request go
+    after = wait_until(lambda: (found := totals())[decoded] > before.get(decoded, 0) and found,
+                       "decode to observe the request's decode time", timeout_s=2.0)
 
     def moved(name: str) -> float:
         return after.get(name, 0) - before.get(name, 0)
@@ -123,9 +97,7 @@ def test_a_refused_kv_transfer_counts_as_a_failure(tiny_cluster: Cluster) -> Non
         decode_pb2_grpc.DecodeStub(channel).TransferKV(iter([forged]), timeout=10)
     assert refused.value.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
     # Counted as the handler unwinds, which may be just after the status reached this client.
-    deadline = time.monotonic() + 2
-    while scrape(worker.metrics).get(name, 0) == before and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: scrape(worker.metrics).get(name, 0) > before, "the failure to be counted", timeout_s=2.0)
     assert scrape(worker.metrics)[name] == before + 1
     assert_nothing_held(tiny_cluster)
 
@@ -135,7 +107,7 @@ def test_every_service_s_metrics_parse_as_prometheus_text(tiny_cluster: Cluster)
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    for role, service in _services(tiny_cluster):
+    for role, service in services_by_role(tiny_cluster):
         with urllib.request.urlopen(f"http://{service.metrics}/metrics", timeout=5) as response:
             families = {family.name: family for family in text_string_to_metric_families(response.read().decode())}
         histograms = [name for name, family in families.items() if family.type == "histogram"]

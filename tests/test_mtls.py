@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,8 +17,7 @@ import pytest
 from pdserve.cluster import Cluster
 from protos import decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from serving.tls import TLS, channel
-from tests.conftest import assert_nothing_held, start_cluster
-from tests.test_decode_handoff import _kv_stream, _reserve
+from tests.helpers import assert_nothing_held, kv_stream, reserve, start_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 LEASE_S = 2.0
@@ -86,9 +84,9 @@ def test_roles_authorise_the_calls_between_services(secured: Cluster, certs: Pat
     client, gateway = _identity(certs, "client"), _identity(certs, "gateway")
     decode_address, kv_address, prefill_address = (secured.decode[0].address, secured.decode[0].kv,
                                                    secured.prefill[0].address)
-    with channel(decode_address, client, expect="decode") as chan, pytest.raises(grpc.RpcError) as reserve:
-        _reserve(decode_pb2_grpc.DecodeStub(chan), "not-a-gateway")  # only a gateway reserves
-    assert reserve.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
+    with channel(decode_address, client, expect="decode") as chan, pytest.raises(grpc.RpcError) as reserving:
+        reserve(decode_pb2_grpc.DecodeStub(chan), "not-a-gateway")  # only a gateway reserves
+    assert reserving.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
     with channel(prefill_address, client, expect="prefill") as chan, pytest.raises(grpc.RpcError) as prefill:
         prefill_pb2_grpc.PrefillStub(chan).Prefill(prefill_pb2.PrefillRequest(
             request_id="x", token_ids=[1, 2, 3], decode_address=decode_address, reservation_token="t"),
@@ -96,9 +94,9 @@ def test_roles_authorise_the_calls_between_services(secured: Cluster, certs: Pat
     assert prefill.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
     with channel(decode_address, gateway, expect="decode") as g, channel(kv_address, gateway, expect="decode") as k:
         stub = decode_pb2_grpc.DecodeStub(g)
-        call, token = _reserve(stub, "kv-from-a-gateway")
+        call, token = reserve(stub, "kv-from-a-gateway")
         with pytest.raises(grpc.RpcError) as pushed:  # a gateway holding a real token still may not push KV
-            decode_pb2_grpc.DecodeStub(k).TransferKV(iter(_kv_stream(stub, "kv-from-a-gateway", token)), timeout=10)
+            decode_pb2_grpc.DecodeStub(k).TransferKV(iter(kv_stream(stub, "kv-from-a-gateway", token)), timeout=10)
         assert pushed.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
         call.cancel()
     assert_nothing_held(secured)
@@ -112,7 +110,7 @@ def test_decode_serves_the_kv_stream_on_its_own_port_only(secured: Cluster, cert
         decode_pb2_grpc.DecodeStub(control).TransferKV(iter([]), timeout=10)
     assert on_control.value.code() == grpc.StatusCode.UNIMPLEMENTED  # type: ignore[attr-defined]
     with channel(decode.kv, _identity(certs, "gateway"), expect="decode") as kv, pytest.raises(grpc.RpcError) as on_kv:
-        _reserve(decode_pb2_grpc.DecodeStub(kv), "reserve-on-the-kv-port")
+        reserve(decode_pb2_grpc.DecodeStub(kv), "reserve-on-the-kv-port")
     assert on_kv.value.code() == grpc.StatusCode.UNIMPLEMENTED  # type: ignore[attr-defined]
 
 
@@ -121,24 +119,28 @@ def test_forged_reused_and_expired_reservation_tokens_are_refused_and_nothing_is
     decode = secured.decode[0]
     with channel(decode.address, _identity(certs, "gateway"), expect="decode") as g, \
             channel(decode.kv, _identity(certs, "prefill"), expect="decode") as p:
-        reserve, push = decode_pb2_grpc.DecodeStub(g), decode_pb2_grpc.DecodeStub(p)
+        gateway_side, prefill_side = decode_pb2_grpc.DecodeStub(g), decode_pb2_grpc.DecodeStub(p)
 
         def refused(messages: list) -> grpc.StatusCode:
             with pytest.raises(grpc.RpcError) as error:
-                push.TransferKV(iter(messages), timeout=30)
+                prefill_side.TransferKV(iter(messages), timeout=30)
             return error.value.code()  # type: ignore[attr-defined]
 
-        call, token = _reserve(reserve, "forged")
-        assert refused(_kv_stream(reserve, "forged", "a-guess")) == grpc.StatusCode.PERMISSION_DENIED
-        messages = _kv_stream(reserve, "forged", token)
-        push.TransferKV(iter(messages), timeout=30)  # the holder of the real token gets through
+        # 1. A guessed token is refused; the holder of the real one gets through, and its tokens stream.
+        call, token = reserve(gateway_side, "forged")
+        assert refused(kv_stream(gateway_side, "forged", "a-guess")) == grpc.StatusCode.PERMISSION_DENIED
+        messages = kv_stream(gateway_side, "forged", token)
+        prefill_side.TransferKV(iter(messages), timeout=30)
         assert list(call)[-1].tokens.finish_reason
-        assert refused(messages) == grpc.StatusCode.PERMISSION_DENIED  # reused
-        call, token = _reserve(reserve, "expired")
-        time.sleep(LEASE_S + 0.5)
-        assert refused(_kv_stream(reserve, "expired", token)) == grpc.StatusCode.PERMISSION_DENIED
-        with pytest.raises(grpc.RpcError):
+        # 2. The same stream again: the token was used.
+        assert refused(messages) == grpc.StatusCode.PERMISSION_DENIED
+        # 3. A reservation whose KV never comes: its call ends when the lease does, and its token is refused after.
+        call, token = reserve(gateway_side, "expired")
+        with pytest.raises(grpc.RpcError) as expired:
             list(call)
+        assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # type: ignore[attr-defined]
+        assert refused(kv_stream(gateway_side, "expired", token)) == grpc.StatusCode.PERMISSION_DENIED
+    # 4. Leak check: nothing held on any worker.
     assert_nothing_held(secured)
 
 

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,8 +21,7 @@ from gateway.request import MAX_STOP_CHARS
 from pdserve.client import generate, stream
 from pdserve.cluster import Cluster
 from protos import gateway_pb2, gateway_pb2_grpc
-from tests.conftest import assert_nothing_held, start_cluster
-from tests.test_metrics import _live
+from tests.helpers import assert_nothing_held, assert_nothing_live, live_gauges, start_cluster
 
 KEY = "sk-test-0123456789"
 MODEL = "tiny-llama"  # --served-model-name
@@ -193,7 +191,7 @@ def test_refused_for_load_is_429_with_retry_after(client: openai.OpenAI, keyed: 
         assert int(headers["Retry-After"]) >= 1
     finally:
         holding.close()  # type: ignore[attr-defined]
-    _wait_idle(keyed)
+    assert_nothing_live(keyed, within_s=5.0)
 
 
 def test_disconnecting_an_sse_client_frees_everything_on_every_service(keyed: Cluster) -> None:
@@ -208,11 +206,11 @@ def test_disconnecting_an_sse_client_frees_everything_on_every_service(keyed: Cl
     while events < 3:  # the stream is live: a few events arrived
         line = response.readline()
         events += line.startswith(b"data: ")
-    live = _live(keyed)
+    live = live_gauges(keyed)
     assert live["pdserve_live_requests"] == 1 and live["pdserve_live_sequences"] == 1
     connection.sock.close()  # type: ignore[union-attr]  # the client goes away mid-stream
     connection.close()
-    _wait_idle(keyed)
+    assert_nothing_live(keyed, within_s=5.0)
     assert_nothing_held(keyed)
 
 
@@ -226,13 +224,6 @@ def _post(cluster: Cluster, path: str, body: bytes) -> tuple[int, dict, dict[str
         return response.status, json.loads(response.read()), dict(response.getheaders())
     finally:
         connection.close()
-
-
-def _wait_idle(cluster: Cluster, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while set(_live(cluster).values()) != {0}:
-        assert time.monotonic() < deadline, _live(cluster)
-        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("content", ["", "\n\n", "   \n\t\n"])

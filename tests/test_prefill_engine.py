@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,9 +12,10 @@ from engine.core import EngineCore
 from engine.prompts import Abandoned, Prefilled, PromptJob, QueueFull
 from engine.scheduler import PromptScheduler
 from model_runner import forward
-from model_runner.loading import LoadedModel, ModelConfig
+from model_runner.loading import LoadedModel
 from model_runner.prefix_cache import PrefixCache
 from model_runner.sampling import SamplingParams
+from tests.helpers import Recorder
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -74,44 +74,6 @@ def test_abandoned_prompts_leave_the_queue() -> None:
     assert len(scheduler) == 0
 
 
-@pytest.fixture(scope="module")
-def runner(default_model_dir: Path) -> LoadedModel:
-    """The real model, whose first tokens depend on every position of the prompt's KV."""
-    torch.set_num_threads(1)
-    return ModelConfig(model=str(default_model_dir), dtype="float32").load()
-
-
-class _Recorder:
-    """A job whose delivered layers and outcome are kept; `hold` blocks the engine inside its first delivery."""
-
-    def __init__(self, prompt: list[int], hold: threading.Event | None = None) -> None:
-        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.addresses: dict[int, tuple[int, int]] = {}  # where each delivered layer's keys and values lie
-        self.outcome: Prefilled | BaseException | None = None
-        self.finished = threading.Event()
-        self.entered = threading.Event()
-        self.hold = hold
-        self.job = PromptJob(prompt, GREEDY, self._deliver, self._finish)
-
-    def _deliver(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        assert layer not in self.layers
-        self.layers[layer] = (keys.clone(), values.clone())
-        self.addresses[layer] = (keys.data_ptr(), values.data_ptr())
-        self.entered.set()
-        if self.hold is not None:
-            self.hold.wait(30)
-
-    def _finish(self, outcome: Prefilled | BaseException) -> None:
-        assert self.outcome is None
-        self.outcome = outcome
-        self.finished.set()
-
-    def wait(self) -> Prefilled | BaseException:
-        assert self.finished.wait(60)
-        assert self.outcome is not None
-        return self.outcome
-
-
 @pytest.mark.parametrize("layer_streaming", [True, False], ids=["streamed", "after-pass"])
 def test_batched_and_chunked_prompts_get_exactly_their_own_kv_and_first_token(
     runner: LoadedModel, monkeypatch: pytest.MonkeyPatch, layer_streaming: bool
@@ -127,12 +89,12 @@ def test_batched_and_chunked_prompts_get_exactly_their_own_kv_and_first_token(
     engine.start()
     try:
         hold = threading.Event()
-        blocker = _Recorder([1, 2, 3], hold)
+        blocker = Recorder([1, 2, 3], hold)
         engine.submit(blocker.job)
         assert blocker.entered.wait(30) or blocker.finished.wait(30)
         prompts = [list(range(200, 213)), [504, 1095, 2208, 314, 3595, 28, 1090], list(range(900, 1000)),
                    list(range(5000, 5021))]
-        recorders = [_Recorder(prompt) for prompt in prompts]
+        recorders = [Recorder(prompt) for prompt in prompts]
         for recorder in recorders:  # all queued while the engine is held: they share passes
             engine.submit(recorder.job)
         hold.set()
@@ -170,7 +132,7 @@ def test_a_prompt_with_a_kv_home_is_computed_straight_into_it(runner: LoadedMode
         for prompt, cached in ((list(range(200, 213)), 0), (long, 0), ([*long, 5, 6, 7], 96)):
             shape = (spec.num_kv_heads, len(prompt), spec.head_dim)
             homes = [(torch.full(shape, torch.nan), torch.full(shape, torch.nan)) for _ in range(spec.num_layers)]
-            recorder = _Recorder(prompt)
+            recorder = Recorder(prompt)
             recorder.job.kv_home = homes
             engine.submit(recorder.job)
             outcome = recorder.wait()
@@ -192,13 +154,13 @@ def test_a_full_queue_refuses_and_abandoned_prompts_release_their_tokens(runner:
     engine.start()
     try:
         hold = threading.Event()
-        blocker = _Recorder([1] * 10, hold)
+        blocker = Recorder([1] * 10, hold)
         engine.submit(blocker.job)
         assert blocker.entered.wait(30)
-        queued = _Recorder([2] * 15)
+        queued = Recorder([2] * 15)
         engine.submit(queued.job)
         with pytest.raises(QueueFull, match="25 prompt tokens waiting or running, budget 30"):
-            engine.submit(_Recorder([3] * 6).job)
+            engine.submit(Recorder([3] * 6).job)
         queued.job.abandon.set()  # cancelled while it waits: it never runs
         engine.wake()
         hold.set()
@@ -206,7 +168,7 @@ def test_a_full_queue_refuses_and_abandoned_prompts_release_their_tokens(runner:
         assert isinstance(queued.wait(), Abandoned)
         assert queued.layers == {}
         assert (engine.queued_tokens, engine.live_jobs) == (0, 0)
-        fits_now = _Recorder([4] * 25)
+        fits_now = Recorder([4] * 25)
         engine.submit(fits_now.job)
         assert isinstance(fits_now.wait(), Prefilled)
     finally:
@@ -216,7 +178,7 @@ def test_a_full_queue_refuses_and_abandoned_prompts_release_their_tokens(runner:
 def test_a_long_prompt_abandoned_mid_chunk_stops_at_the_next_layer_and_sends_nothing(
     runner: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    long = _Recorder(list(range(100, 300)))
+    long = Recorder(list(range(100, 300)))
     passes = 0
 
     def abandoning_pass(runner: LoadedModel, prompts: list[list[int]], cache: object) -> torch.Tensor:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,14 +16,12 @@ from hypothesis import strategies as st
 from engine.core import EngineCore
 from engine.prompts import Abandoned, Prefilled
 from model_runner import forward
-from model_runner.loading import LoadedModel, ModelConfig
+from model_runner.loading import LoadedModel
 from model_runner.prefix_cache import PrefixCache, block_names
 from pdserve.client import generate
 from pdserve.cluster import Cluster
 from serving.metrics import scrape
-from tests.conftest import assert_nothing_held, start_cluster
-from tests.test_generate_e2e import hf_greedy
-from tests.test_prefill_engine import _Recorder
+from tests.helpers import Recorder, assert_nothing_held, hf_greedy, start_cluster, wait_until, worker_info
 
 BLOCK = 4
 LAYERS, HEADS, DIM = 2, 1, 2
@@ -77,13 +74,7 @@ def test_the_cache_never_exceeds_its_byte_budget(prompts: list[tuple[int, int]],
         assert cache.bytes == len(cache) * BLOCK_BYTES
 
 
-@pytest.fixture(scope="module")
-def runner(default_model_dir: Path) -> LoadedModel:
-    torch.set_num_threads(1)
-    return ModelConfig(model=str(default_model_dir), dtype="float32").load()
-
-
-def _assert_its_own(runner: LoadedModel, recorder: _Recorder, outcome: Prefilled) -> None:
+def _assert_its_own(runner: LoadedModel, recorder: Recorder, outcome: Prefilled) -> None:
     """The prompt's delivered KV and first token are those of the same prompt prefilled alone, with no cache."""
     logits, kv = forward.prefill(runner, recorder.job.token_ids)
     assert outcome.first_token == int(torch.argmax(logits))
@@ -111,7 +102,7 @@ def test_hits_partial_hits_and_evictions_give_each_prompt_exactly_its_own_kv_and
     ]
     try:
         for prompt, expected_cached in prompts:
-            recorder = _Recorder(prompt)
+            recorder = Recorder(prompt)
             engine.submit(recorder.job)
             outcome = recorder.wait()
             assert isinstance(outcome, Prefilled), outcome
@@ -139,10 +130,10 @@ def test_prompts_queued_together_reuse_the_prefix_the_first_one_computes(
     engine, _ = cached_engine
     system = list(range(600, 640))  # 2 full blocks and 8 tokens
     hold = threading.Event()
-    blocker = _Recorder([1, 2, 3], hold)
+    blocker = Recorder([1, 2, 3], hold)
     engine.submit(blocker.job)
     assert blocker.entered.wait(30)
-    burst = [_Recorder(system + [n] * 10) for n in (7, 8, 9)]  # a burst: all miss when they arrive
+    burst = [Recorder(system + [n] * 10) for n in (7, 8, 9)]  # a burst: all miss when they arrive
     for recorder in burst:
         engine.submit(recorder.job)
     hold.set()
@@ -158,14 +149,14 @@ def test_prompts_queued_together_reuse_the_prefix_the_first_one_computes(
 def test_a_cancelled_prompt_leaves_no_entry(cached_engine: tuple[EngineCore, PrefixCache]) -> None:
     engine, cache = cached_engine
     hold = threading.Event()
-    doomed = _Recorder(list(range(500, 548)), hold)  # 3 chunks; held inside its last chunk's first layer
+    doomed = Recorder(list(range(500, 548)), hold)  # 3 chunks; held inside its last chunk's first layer
     engine.submit(doomed.job)
     assert doomed.entered.wait(30)
     doomed.job.abandon.set()  # cancelled mid-pass
     hold.set()
     assert isinstance(doomed.wait(), Abandoned)
     assert (len(cache), cache.bytes) == (0, 0)  # nothing half-built
-    kept = _Recorder(list(range(500, 548)))
+    kept = Recorder(list(range(500, 548)))
     engine.submit(kept.job)
     assert isinstance(kept.wait(), Prefilled) and len(cache) == 3
 
@@ -203,11 +194,20 @@ def test_shared_prefixes_land_on_the_worker_that_has_them_until_it_is_too_far_ah
         def ask(n: int) -> None:
             results[n] = generate(address, 60, token_ids=SYSTEM + [50 + n] * 10, max_tokens=2, temperature=0)
 
+        # Each request is routed before the next is sent. The gateway picks a prefill worker as decode's reservation
+        # reply reaches it, with no await between, so a live reservation on decode means the pick is made: 0 and 1
+        # wait for the frozen worker with their reservations live; 2 is prefilled on the other worker.
+        def routed(n: int) -> bool:
+            if n < 2:
+                return worker_info(cluster.decode[0]).live_reservations == n + 1
+            return scrape(cluster.prefill[1 - home].metrics)["pdserve_prompt_tokens_total"] == 110
+
         threads = []
         for n in range(4):
             threads.append(threading.Thread(target=ask, args=(n,)))
             threads[-1].start()
-            time.sleep(0.3)  # routed before the next one arrives
+            if n < 3:
+                wait_until(lambda: routed(n), f"request {n} to be routed", timeout_s=30)  # noqa: B023 (called now)
         # 0 goes home (0 queued vs 0); 1 too (110 <= 0 + 150); 2 spills (220 > 0 + 150), and 3 follows it to
         # the worker that has the prefix now and is less loaded. Both finish while home is frozen.
         threads[2].join(30)

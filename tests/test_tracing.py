@@ -24,7 +24,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 from pdserve.client import generate
 from pdserve.cluster import Cluster
 from protos import gateway_pb2, gateway_pb2_grpc
-from tests.conftest import assert_nothing_held, start_cluster
+from tests.helpers import assert_nothing_held, start_cluster
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"

@@ -21,9 +21,9 @@ import grpc
 import pytest
 
 from pdserve.client import generate, stream
-from pdserve.cluster import Cluster, Service, _await_ready, _spawn, stop_all, wait_healthy
+from pdserve.cluster import Cluster, Service, spawn_service, stop_all, wait_healthy, wait_ready
 from pdserve.faults import FaultProxy
-from tests.conftest import assert_nothing_held, start_cluster
+from tests.helpers import assert_nothing_held, start_cluster
 
 NAMESPACE = f"pds{os.getpid() % 100000}"
 HOST_IP, PEER_IP = "10.231.7.1", "10.231.7.2"  # this namespace's end of the link, decode's end
@@ -68,17 +68,17 @@ def two_hosts(tiny_model_dir: Path, peer_namespace: str) -> Iterator[tuple[Clust
             ["ip", "netns", "exec", peer_namespace, sys.executable, "-m", "pdserve.launch", str(os.getpid()), "",
              "decode_service", "--host", PEER_IP, "--no-kv-shm", "--lease=5", *common],
             stdout=subprocess.PIPE, text=True))
-        services = [decode, _spawn("prefill", "prefill_service", ["--host", "127.0.0.1", *common])]
+        services = [decode, spawn_service("prefill", "prefill_service", ["--host", "127.0.0.1", *common])]
         proxy = None
         try:
-            _await_ready(services, time.monotonic() + 120)
+            wait_ready(services, 120)
             assert decode.address.startswith(PEER_IP + ":")
             proxy = FaultProxy(decode.address)
-            gateway = _spawn("gateway", "gateway", [
+            gateway = spawn_service("gateway", "gateway", [
                 "--host", "127.0.0.1", "--port", "0", "--model", str(tiny_model_dir), "--http-port", "-1",
                 "--colocate-below", "0", f"--prefill={services[1].address}", f"--decode={proxy.address}"])
             services.append(gateway)
-            _await_ready([gateway], time.monotonic() + 60)
+            wait_ready([gateway], 60)
             cluster = Cluster(gateway, [services[1]], [decode])
             for service in cluster.services:
                 wait_healthy(service.address, 30, expect=service.role)

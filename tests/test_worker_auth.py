@@ -15,8 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.cluster import Cluster
 from protos import decode_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2, prefill_pb2_grpc, worker_pb2
-from tests.conftest import assert_nothing_held, start_cluster
-from tests.test_decode_handoff import _reserve
+from tests.helpers import assert_nothing_held, reserve, start_cluster
 
 TOKEN = "s3cret-worker-token"
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
@@ -73,7 +72,7 @@ def test_a_caller_without_the_token_is_refused_by_every_worker_call(tokened: Clu
         health = health_pb2_grpc.HealthStub(d).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
     with tokened.channel(decode) as chan:  # with the token (this process holds it): served
-        call, token = _reserve(decode_pb2_grpc.DecodeStub(chan), "with-the-token")
+        call, token = reserve(decode_pb2_grpc.DecodeStub(chan), "with-the-token")
         assert token
         call.cancel()
     assert_nothing_held(tokened)

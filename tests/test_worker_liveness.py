@@ -30,8 +30,7 @@ from model_runner.sampling import SamplingParams
 from pdserve.client import generate, stream
 from pdserve.cluster import Cluster, Service
 from protos import decode_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2, worker_pb2
-from tests.conftest import assert_nothing_held, start_cluster
-from tests.test_failover import PROMPT
+from tests.helpers import POEM, assert_nothing_held, start_cluster
 
 # Fake workers. A script is the list of what a call's reads return in turn: an event, an exception to raise, or
 # an asyncio.Event to wait for first. After the last entry the worker is silent, as a frozen one is.
@@ -358,7 +357,7 @@ async def _run(address: str, fields: dict[str, Any], run: Run | None = None) -> 
 
 def _requests(count: int, temperature: float = 0.0) -> list[dict[str, Any]]:
     """Seeded when sampled: sampling is keyed by (seed, position), so a migrated stream picks the same tokens."""
-    return [{"prompt": f"{PROMPT} ({i})", "max_tokens": 100, "temperature": temperature, "seed": i,
+    return [{"prompt": f"{POEM} ({i})", "max_tokens": 100, "temperature": temperature, "seed": i,
              "ignore_eos": True} for i in range(count)]
 
 
@@ -372,7 +371,7 @@ def test_a_cancel_landing_while_the_gateway_waits_to_write_to_a_slow_client_stil
             slow_options = [("grpc.http2.lookahead_bytes", 1), ("grpc.http2.bdp_probe", 0)]
             async with grpc.aio.insecure_channel(address, options=slow_options) as slow, \
                     grpc.aio.insecure_channel(address) as other:
-                request = gateway_pb2.GenerateRequest(request_id="slow", prompt=PROMPT, max_tokens=100,
+                request = gateway_pb2.GenerateRequest(request_id="slow", prompt=POEM, max_tokens=100,
                                                       temperature=0.0, ignore_eos=True)
                 call = gateway_pb2_grpc.GatewayStub(slow).Generate(request, timeout=90)
                 assert (await call.read()).token_ids
@@ -450,7 +449,7 @@ def test_a_cancel_never_interrupts_a_write_and_ends_the_request_once_the_write_i
     async def scenario() -> None:
         async with _gateway(workers, tiny_model_dir) as (servicer, _):
             context = _WriteGate()
-            request = gateway_pb2.GenerateRequest(request_id="mid-write", prompt=PROMPT, max_tokens=100,
+            request = gateway_pb2.GenerateRequest(request_id="mid-write", prompt=POEM, max_tokens=100,
                                                   temperature=0.0, ignore_eos=True)
             handler = asyncio.ensure_future(servicer.Generate(request, context))  # type: ignore[arg-type]
             await asyncio.wait_for(context.writing.wait(), 30)
@@ -631,7 +630,7 @@ def test_keepalive_finds_a_frozen_prefill_worker_and_its_request_is_retried_on_t
         seconds, retries = [], 0
         for n in range(2):  # round robin: one of the two goes to the frozen worker
             started = time.monotonic()
-            completion = generate(cluster.gateway.address, timeout=20, prompt=f"{PROMPT} {n}", max_tokens=4)
+            completion = generate(cluster.gateway.address, timeout=20, prompt=f"{POEM} {n}", max_tokens=4)
             seconds.append(time.monotonic() - started)
             assert completion.finish_reason == "length" and completion.timing is not None
             retries += completion.timing.retries

@@ -8,12 +8,14 @@ import signal
 import time
 from pathlib import Path
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from gateway.workers import PairBreakers, Pool
 from pdserve.client import generate, stream
-from pdserve.cluster import _await_ready, _spawn, stop_all
+from pdserve.cluster import Service, spawn_service, stop_all, wait_ready
 from protos import worker_pb2
-from tests.conftest import assert_nothing_held, start_cluster
-from tests.test_failover import PROMPT, _decoding
+from tests.helpers import POEM, assert_nothing_held, decoding_worker, start_cluster, wait_until
 
 
 def _decode_pool(loads: list[int]) -> Pool:
@@ -50,20 +52,37 @@ def test_draining_failed_and_avoided_workers_go_last() -> None:
     asyncio.run(scenario())
 
 
+def _draining(service: Service) -> bool:
+    """Its health check says NOT_SERVING, or it refuses new calls: what the gateway's next poll finds."""
+    with grpc.insecure_channel(service.address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+        except grpc.RpcError:
+            return True
+        return reply.status != health_pb2.HealthCheckResponse.SERVING
+
+
 def test_a_draining_decode_worker_finishes_its_stream_while_new_requests_go_elsewhere(tiny_model_dir: Path) -> None:
+    poll_s = 0.1
     cluster = start_cluster(tiny_model_dir, decode=2, decode_args=("--grace=30",),
-                            gateway_args=("--poll-interval=0.1",))
+                            gateway_args=(f"--poll-interval={poll_s}",))
     try:
         address = cluster.gateway.address
-        fields = {"prompt": PROMPT, "max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
+        fields = {"prompt": POEM, "max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
+        # 1. A long stream runs on one decode worker; that worker is told to drain.
         responses = stream(address, 60, **fields)
         received = list(next(responses).token_ids)
-        draining = _decoding(cluster)
+        draining = decoding_worker(cluster)
         draining.process.send_signal(signal.SIGTERM)  # health turns NOT_SERVING; in-flight calls get the grace
-        time.sleep(0.3)  # a poll or two
+        wait_until(lambda: _draining(draining), "the draining worker's health to leave SERVING")
+        # The gateway reads that at its next poll, and nothing it exposes (metrics, an RPC) says when it has:
+        # three poll intervals, so that a poll started and finished since. The one sleep here, for want of an event.
+        time.sleep(3 * poll_s)
+        # 2. New requests go to the other worker at once, not to the draining one and then retried.
         for _ in range(4):
             completion = generate(address, timeout=60, prompt="Hi", max_tokens=4)
             assert completion.finish_reason and completion.timing.retries == 0  # routed around it, not retried
+        # 3. The draining worker finishes its stream, all of it, without a migration, and then exits.
         last = None
         for response in responses:
             received += response.token_ids
@@ -72,6 +91,7 @@ def test_a_draining_decode_worker_finishes_its_stream_while_new_requests_go_else
         assert len(received) == 400
         draining.process.wait(timeout=30)  # it exits once its stream is done
         cluster.decode.remove(draining)
+        # 4. Leak check: nothing held on the workers left.
         assert_nothing_held(cluster)
     finally:
         cluster.stop()
@@ -117,8 +137,8 @@ def test_a_gateway_given_host_names_resolves_them(tiny_model_dir: Path) -> None:
         names = [f"--{role}=localhost:{service.address.rsplit(':', 1)[1]}"
                  for role, services in (("prefill", cluster.prefill), ("decode", cluster.decode))
                  for service in services]
-        gateway = _spawn("gateway", "gateway", ["--port", "0", "--model", str(tiny_model_dir), *names])
-        _await_ready([gateway], time.monotonic() + 120)
+        gateway = spawn_service("gateway", "gateway", ["--port", "0", "--model", str(tiny_model_dir), *names])
+        wait_ready([gateway], 120)
         assert generate(gateway.address, timeout=60, prompt="Hi", max_tokens=4).finish_reason
     finally:
         if gateway is not None:
