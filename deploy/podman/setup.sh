@@ -63,7 +63,8 @@ if [ "$(cat "$wheels/.stamp" 2>/dev/null)" != "$wanted" ]; then
     "$PY" - >"$wheels/requirements.txt" <<'EOF'
 import tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))
-print("\n".join(project["build-system"]["requires"] + project["project"]["dependencies"]))
+print("\n".join(project["build-system"]["requires"] + project["project"]["dependencies"]
+                + project["project"]["optional-dependencies"]["codegen"]))  # grpcio-tools, for the image's protoc
 EOF
     "$PY" -m pip download --quiet --dest "$wheels" --only-binary=:all: -c "$wheels/constraints.txt" \
         torch==2.13.0 -r "$wheels/requirements.txt" 2>&1 | grep -v "is ignored: it is neither" || true
