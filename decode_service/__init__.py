@@ -1,1 +1,7 @@
-"""Decode service: receives KV from prefill, continuous-batches decode, streams tokens to the gateway."""
+"""Decode service: receives KV from prefill, continuous-batches decode, streams tokens to the gateway.
+
+- server.py: the gRPC edge (Generate, GetInfo) and the life of a request here;
+- reservations.py: the slot and KV budget promised to a request before its prefill starts;
+- lending.py: the shared-memory segment a reservation lends to a prefill worker on the same host;
+- inbox.py: the KV inbox (TransferKV), where a reservation's KV arrives and is checked.
+"""

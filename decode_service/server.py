@@ -162,7 +162,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 "pdserve_live_sequences": ("sequences prefilling, joining or in the batch",
                                            lambda: self.engine.live_sequences),
                 "pdserve_live_kv_bytes": ("KV bytes reserved or admitted", lambda: self.table.kv_bytes),
-                "pdserve_live_buffer_bytes": ("KV transfer buffers lent to live requests",
+                "pdserve_live_buffer_bytes": ("shared-memory KV segments lent to live requests",
                                               lambda: self.lender.lent_bytes),
                 "pdserve_num_requests_running": ("sequences in the decode batch", lambda: self.engine.running),
                 "pdserve_num_requests_waiting": ("sequences waiting for their KV, or to join the batch",

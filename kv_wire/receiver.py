@@ -11,7 +11,7 @@ them straight into the sequence's slot when it joins.
 - Shared memory: each chunk is verified in the lent segment, which stays lent until the join. Verified bytes
   can only change if a writer writes after its trailer, which pdserve's sender never does; a segment whose
   transfer did not end in an admitted KV may still have a writer, so decode retires it instead of lending it
-  again (decode_service/server.py).
+  again (decode_service/lending.py).
 """
 
 from __future__ import annotations
