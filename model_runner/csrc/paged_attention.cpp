@@ -197,24 +197,6 @@ PDS_AVX512 inline void prefetch_row(const T* p) {
   for (int i = 0; i < lines; ++i) _mm_prefetch(reinterpret_cast<const char*>(p) + 64 * i, kHint);
 }
 
-// e^x for x <= 0 (scores minus their max), within 2 ulp: x = n ln2 + r, e^r by Cephes' expf polynomial, then
-// scaled by 2^n (scalef flushes what underflows to zero).
-PDS_AVX512 inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // e^-104 is 0 in float32; also keeps -inf out of r
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
 // Slot for token t (0..15) among the 16 vectors given to sum_each: sum_each leaves slot 4j+q's sum in lane
 // 4q+j, so staging token t at kSlot[t] puts its sum in lane t.
 constexpr int kSlot[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
@@ -316,7 +298,7 @@ PDS_AVX512 float softmax(float* scores, int64_t length, int64_t padded) {
   const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(max));
   __m512 sum = _mm512_setzero_ps();
   for (int64_t i = 0; i < padded; i += 16) {
-    __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + i), m));
+    __m512 p = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + i), m));
     if (i + 16 == padded) p = _mm512_maskz_mov_ps(tail, p);
     _mm512_storeu_ps(scores + i, p);
     sum = _mm512_add_ps(sum, p);
@@ -526,8 +508,6 @@ PDS_AVX2 void attend_avx2(const Args<T>& a, int64_t b, int64_t kvh, Scratch& s) 
 
 #endif  // PDS_HAVE_AVX512
 
-enum class Path { kPortable, kAvx2, kAvx512, kAvx512Bf16 };
-
 // The fastest path this CPU has for head dim d, or a slower one asked for: want is "auto", "avx512" (no
 // AVX512-BF16 instructions) or "portable".
 Path choose_path(int64_t d, bool bf16, const std::string& want) {
@@ -541,14 +521,7 @@ Path choose_path(int64_t d, bool bf16, const std::string& want) {
 }
 
 // Which code serves head dim d at this dtype: "avx512_bf16", "avx512", "avx2" or "portable".
-std::string path_for(int64_t d, bool bf16, const std::string& want) {
-  switch (choose_path(d, bf16, want)) {
-    case Path::kAvx512Bf16: return "avx512_bf16";
-    case Path::kAvx512: return "avx512";
-    case Path::kAvx2: return "avx2";
-    default: return "portable";
-  }
-}
+std::string path_for(int64_t d, bool bf16, const std::string& want) { return path_name(choose_path(d, bf16, want)); }
 
 template <typename T>
 void run(const Args<T>& a, int64_t batch, const std::string& want) {

@@ -416,8 +416,6 @@ PDS_AVX512 void store_row(const float* acc, const float* sums, uint16_t* out, in
 // Packing: each kv head's keys and values, tile by tile, zero past the sequence (the buffers start zeroed; those
 // keys are always masked, and their zero values keep 0 * value exactly 0).
 
-enum class Path { kPortable, kAvx2, kAvx512, kAvx512Bf16 };
-
 struct Packed {
   Path path;
   int64_t tiles, tile_elems;  // tile_elems: 32-bit words (bf16 pairs) or floats per tile of keys (or values)
@@ -648,14 +646,7 @@ Path choose_path(int64_t d, bool bf16, const std::string& want) {
   return Path::kPortable;
 }
 
-std::string path_for(int64_t d, bool bf16, const std::string& want) {
-  switch (choose_path(d, bf16, want)) {
-    case Path::kAvx512Bf16: return "avx512_bf16";
-    case Path::kAvx512: return "avx512";
-    case Path::kAvx2: return "avx2";
-    default: return "portable";
-  }
-}
+std::string path_for(int64_t d, bool bf16, const std::string& want) { return path_name(choose_path(d, bf16, want)); }
 
 template <typename T>
 void run(const Problem<T>& p, const std::string& want) {

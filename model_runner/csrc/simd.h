@@ -49,6 +49,19 @@ inline void store_f32(float x, uint16_t* dst) { *dst = f32_to_bf16(x); }
 
 // ---- what this CPU runs; each answer is asked of the CPU once ----
 
+// The code paths a kernel may take, fastest last; each kernel chooses one per call from what the CPU has and
+// what PDSERVE_*_PATH asks for.
+enum class Path { kPortable, kAvx2, kAvx512, kAvx512Bf16 };
+
+inline const char* path_name(Path path) {
+  switch (path) {
+    case Path::kAvx512Bf16: return "avx512_bf16";
+    case Path::kAvx512: return "avx512";
+    case Path::kAvx2: return "avx2";
+    default: return "portable";
+  }
+}
+
 inline bool cpu_has_avx512() {
 #if PDS_HAVE_AVX512
   static const bool has = __builtin_cpu_supports("avx512f");
@@ -77,6 +90,37 @@ inline bool cpu_has_avx2() {
 }
 
 #if PDS_HAVE_AVX512
+// ---- AVX-512: 16 float32 lanes ----
+
+// e^x for x in [-104, 100], within 2 ulp: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two for exactness),
+// e^r by Cephes' expf polynomial, then scaled by 2^n (scalef flushes what underflows to 0 and rounds what
+// overflows to inf). Callers clamp as their inputs need.
+PDS_AVX512 inline __m512 exp16_in_range(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// e^x for any x; a NaN stays a NaN (maxps and minps with x second return x when it is a NaN). e^100 and e^-100
+// already round to inf and 0.
+PDS_AVX512 inline __m512 exp16(__m512 x) {
+  return exp16_in_range(_mm512_min_ps(_mm512_set1_ps(100.f), _mm512_max_ps(_mm512_set1_ps(-100.f), x)));
+}
+
+// e^x for a softmax's x - max <= 0 (e^-104 is 0 in float32; the clamp also keeps -inf out of r).
+PDS_AVX512 inline __m512 exp16_nonpositive(__m512 x) {
+  return exp16_in_range(_mm512_max_ps(x, _mm512_set1_ps(-104.f)));
+}
+
 // ---- AVX2: 8 float32 lanes ----
 
 PDS_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }

@@ -47,7 +47,6 @@ constexpr int kGroup = 12;  // blocks whose weights every row tile passes over b
 constexpr int kFar = 64;
 constexpr int kNear = 8;
 
-enum class Path { kPortable, kAvx2, kAvx512, kAvx512Bf16 };
 enum class Post { kNone, kSilu, kMul, kAdd };
 
 // The two bfloat16 of a pair read as one 32-bit word: the first is the low half on little-endian machines
@@ -301,23 +300,6 @@ const auto& table() {
   return t.fn;
 }
 
-PDS_AVX512 inline __m512 exp512(__m512 x) {
-  // max/min with x second keep a NaN; e^100 and e^-100 already round to inf and 0 through scalef
-  x = _mm512_min_ps(_mm512_set1_ps(100.f), _mm512_max_ps(_mm512_set1_ps(-100.f), x));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
 // 16 float32 from p (float32 or bfloat16), lanes past `lanes` zero
 PDS_AVX512 inline __m512 load16(const void* p, bool bf16, int lanes) {
   const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1u);
@@ -346,7 +328,7 @@ PDS_AVX512 void finish_avx512(const Problem& pr, int64_t r0, int rows, int64_t b
       __m512 y = _mm512_add_ps(_mm512_loadu_ps(acc + (r * nb + j) * kBlock), bias);
       const int64_t row = r0 + r;
       if (pr.post == Post::kSilu) {
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), y));
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), y));
         y = _mm512_div_ps(y, _mm512_add_ps(_mm512_set1_ps(1.f), e));
       } else if (pr.post != Post::kNone) {
         const __m512 o = load16(static_cast<const char*>(pr.other) + (row * pr.ldo + n0) * (pr.other_bf16 ? 2 : 4),
@@ -551,14 +533,7 @@ Path choose_path(bool bf16, const std::string& want) {
 }
 
 // Which code serves this dtype: "avx512_bf16", "avx512", "avx2" or "portable".
-std::string path_for(bool bf16, const std::string& want) {
-  switch (choose_path(bf16, want)) {
-    case Path::kAvx512Bf16: return "avx512_bf16";
-    case Path::kAvx512: return "avx512";
-    case Path::kAvx2: return "avx2";
-    default: return "portable";
-  }
-}
+std::string path_for(bool bf16, const std::string& want) { return path_name(choose_path(bf16, want)); }
 
 void run(const Problem& pr, Path path) {
   // Chunks of whole groups, each at least ~256 KB of weights, so threads split big GEMMs and leave small ones
