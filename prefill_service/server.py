@@ -41,9 +41,9 @@ from kv_wire.sender import Item, KVSender, encode_stream
 from model_runner import forward
 from model_runner.loading import LoadedModel, ModelConfig, add_model_args, model_config
 from model_runner.prefix_cache import PrefixCache
-from model_runner.sampling import SamplingParams
 from protos import prefill_pb2, prefill_pb2_grpc, worker_pb2
 from protos.convert import model_info, sampling_from_pb
+from protos.types import SamplingParams
 from serving import logs, tracing
 from serving import server as serving
 from serving.metrics import Metrics
