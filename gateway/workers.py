@@ -111,11 +111,11 @@ class Worker:
         self.breaker.succeeded()
 
     @property
-    def failures(self) -> int:
+    def failures(self) -> int:  # consecutive
         return self.breaker.failures
 
     @property
-    def suspect_until(self) -> float:
+    def suspect_until(self) -> float:  # monotonic time; until then the worker goes last
         return self.breaker.open_until
 
 
@@ -272,7 +272,6 @@ class Pool:
         With a `prompt` (prefill) and `prefix_balance_tokens` >= 0, the worker most likely to hold the prompt's
         longest prefix goes first instead, as long as its load is within `prefix_balance_tokens` queued tokens of
         the least loaded worker's: a hot prefix spills to other workers rather than queue on one."""
-        balance_tokens = self.prefix_balance_tokens
         start = next(self._turn) % len(self.workers)
         now = time.monotonic()
         ordered = self.workers[start:] + self.workers[:start]
@@ -281,24 +280,29 @@ class Pool:
             return w.serving and not w.breaker.is_open(now)
 
         ordered.sort(key=lambda w: (w.address in avoid, not healthy(w), w.load()))  # stable
-        if prompt and balance_tokens >= 0:
-            blocks: dict[int, list[bytes]] = {}  # block size -> the prompt's names; a pool's workers share one size
-
-            def names(w: Worker) -> list[bytes]:
-                size = w.prefix_block_tokens  # as that worker's GetInfo said
-                if size not in blocks:
-                    blocks[size] = block_names(prompt, size) if size else []
-                return blocks[size]
-
-            eligible = [w for w in ordered if w.address not in avoid and healthy(w)]
-            home = self.prefixes.best([(w.address, names(w)) for w in eligible])
-            worker = next((w for w in eligible if w.address == home), None)
-            if worker is not None and worker.load()[0] <= eligible[0].load()[0] + balance_tokens:
-                ordered.remove(worker)
-                ordered.insert(0, worker)
-            self.prefixes.record(ordered[0].address, names(ordered[0]))
+        if prompt and self.prefix_balance_tokens >= 0:
+            self._prefix_first(ordered, [w for w in ordered if w.address not in avoid and healthy(w)], prompt)
         ordered[0].picked += 1
         return ordered
+
+    def _prefix_first(self, ordered: list[Worker], eligible: list[Worker], prompt: Sequence[int]) -> None:
+        """Move the eligible worker most likely to hold the prompt's longest prefix to the front of `ordered`, if its
+        load is within prefix_balance_tokens of the least loaded one's; then record the prompt's blocks as sent to
+        whichever worker is first."""
+        blocks: dict[int, list[bytes]] = {}  # block size -> the prompt's names; a pool's workers share one size
+
+        def names(w: Worker) -> list[bytes]:
+            size = w.prefix_block_tokens  # as that worker's GetInfo said
+            if size not in blocks:
+                blocks[size] = block_names(prompt, size) if size else []
+            return blocks[size]
+
+        home = self.prefixes.best([(w.address, names(w)) for w in eligible])
+        worker = next((w for w in eligible if w.address == home), None)
+        if worker is not None and worker.load()[0] <= eligible[0].load()[0] + self.prefix_balance_tokens:
+            ordered.remove(worker)
+            ordered.insert(0, worker)
+        self.prefixes.record(ordered[0].address, names(ordered[0]))
 
     async def poll(self, every_s: float, resolve_every_s: float = 30.0) -> None:
         """Forever: each worker's health and load, every `every_s`, and the pool's names re-resolved every
