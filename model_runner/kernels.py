@@ -60,8 +60,8 @@ class Kernel:
         # the headers too: ninja would rebuild on a header change, but the folder is named for what it holds
         headers = [h.read_bytes() for h in sorted(CSRC.glob("*.h"))]
         flags = " ".join(self.cflags + LDFLAGS).encode()
-        digest = hashlib.sha256(b"\0".join([self.source.read_bytes(), *headers, flags, torch.__version__.encode()]))
-        digest = digest.hexdigest()[:12]
+        hashed = hashlib.sha256(b"\0".join([self.source.read_bytes(), *headers, flags, torch.__version__.encode()]))
+        digest = hashed.hexdigest()[:12]
         root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
         python = f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
         return Path(root) / python / f"pdserve_{self.source.stem}_{digest}"
