@@ -734,7 +734,7 @@ def judge(sampler: Sampler, warmup_s: float, end_s: float, window_s: float,
 # --- the run --------------------------------------------------------------------------------------------------
 
 
-def _context(model_dir: Path) -> int:
+def model_context(model_dir: Path) -> int:
     try:
         return int(json.loads((model_dir / "config.json").read_text())["max_position_embeddings"])
     except (OSError, KeyError, ValueError):
@@ -742,7 +742,7 @@ def _context(model_dir: Path) -> int:
 
 
 @contextlib.contextmanager
-def _stderr_to(fd: int) -> Iterator[None]:
+def stderr_to(fd: int) -> Iterator[None]:
     """This process's stderr goes to `fd` while the services start, so theirs does for good."""
     sys.stderr.flush()
     saved = os.dup(2)
@@ -763,11 +763,11 @@ def run(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)
     # `pdserve cluster`'s 512, or half the context of a model too small for it: long prompts still reach the
     # prefill worker and move their KV
-    colocate_below = min(512, _context(model) // 2)
+    colocate_below = min(512, model_context(model) // 2)
     log = tempfile.NamedTemporaryFile("w", prefix="pdserve-bench-soak-", suffix=".log", delete=False)
     print(f"bench soak: starting a cluster ({args.prefill} prefill, {args.decode} decode) on {model} (its logs: "
           f"{log.name})", file=sys.stderr, flush=True)
-    with log, _stderr_to(log.fileno()):  # the services inherit it: a soak's logs are long
+    with log, stderr_to(log.fileno()):  # the services inherit it: a soak's logs are long
         cluster = start(ClusterConfig(prefill=args.prefill, decode=args.decode, model=str(model),
                                       startup_timeout_s=300, colocate_below=colocate_below))
     try:
