@@ -29,8 +29,10 @@ class EngineCore:
     def __init__(self, runner: LoadedModel, *, kv_blocks: int = 0, batch_tokens: int = 256,
                  chunk_tokens: int = 256, max_queued_tokens: int | None = None, layer_streaming: bool = True,
                  prefix_cache: PrefixCache | None = None, kv_warm_bytes: int = 0,
-                 on_step: Callable[[float, int], None] | None = None) -> None:
+                 on_step: Callable[[float, int], None] | None = None, prompt_pass_s: float = 0.0) -> None:
         """`kv_blocks` > 0 makes a decode core with a paged cache of that many blocks; 0, a prefill core.
+        `prompt_pass_s` > 0, on a decode core: colocated prompt passes are cut to about that long, measured at
+        start (PromptQueue.fit_to_budget), since each one stalls every running stream for its length.
         `max_queued_tokens`: the prompt queue's token budget (None: unbounded). `kv_warm_bytes`: KV cache memory
         committed now, so that joins do not stall steps on page faults. `on_step(seconds, batch size)`:
         after every decode step, on the engine thread."""
@@ -46,6 +48,7 @@ class EngineCore:
         self._abort_pending = False
         self._stopping = False
         self._busy_since: float | None = None  # perf_counter when the iteration under way began; None: waiting
+        self._prompt_pass_s = prompt_pass_s
         self._thread = threading.Thread(target=self._loop, name=f"engine-{self.role}", daemon=True)
 
     @property
@@ -53,6 +56,8 @@ class EngineCore:
         return "prefill" if self.batch is None else "decode"
 
     def start(self) -> None:
+        if self._prompt_pass_s > 0 and self.batch is not None:
+            self.prompts.fit_to_budget(self._prompt_pass_s)
         self._thread.start()
 
     def close(self) -> None:

@@ -122,6 +122,47 @@ def test_colocated_prompts_batched_or_chunked_decode_as_they_do_alone(runner: Lo
     assert engine.live_sequences == 0
 
 
+@pytest.mark.parametrize("budget_s, chunk", [(1e-6, prompts_module.MIN_CHUNK), (60.0, 256)],
+                         ids=["tight", "roomy"])
+def test_a_prompt_pass_budget_cuts_colocated_chunks_to_what_fits_and_decodes_the_same(
+        runner: LoadedModel, monkeypatch: pytest.MonkeyPatch, budget_s: float, chunk: int) -> None:
+    sampling = SamplingParams(temperature=0.0)
+    expected = [_alone(runner, prompt, sampling) for prompt in PROMPTS]
+    # 1. The engine times prompt passes at start and fits its chunks to the budget: none fits 1 us, so the
+    #    smallest; all of the configured 256 fit 60 s.
+    engine = EngineCore(runner, kv_blocks=64, chunk_tokens=256, prompt_pass_s=budget_s)
+    passes: list[list[int]] = []
+
+    def counting_pass(runner: LoadedModel, prompts: list[list[int]], cache: object) -> torch.Tensor:
+        passes.append([len(prompt) for prompt in prompts])
+        return forward.prefill_pass(runner, prompts, cache)  # type: ignore[arg-type]
+
+    engine.start()
+    monkeypatch.setattr(prompts_module, "prefill_pass", counting_pass)  # after the timed passes at start
+    # 2. Colocated prompts of 5, 40 and 10 tokens run in passes of at most the fitted chunk
+    try:
+        streams = [_Stream(engine, runner, prompt, sampling, f"colocated-{index}", colocated=True)
+                   for index, prompt in enumerate(PROMPTS)]
+        for stream in streams:
+            stream.wait_for()
+    finally:
+        engine.close()
+    assert max(width for widths in passes for width in widths) <= chunk
+    assert sum(sum(widths) for widths in passes) == sum(len(prompt) for prompt in PROMPTS)
+    if chunk == prompts_module.MIN_CHUNK:
+        assert passes.count([8]) == 6  # 40 tokens in 5 chunks, and the first 8 of the 10-token prompt
+    # 3. Every stream decodes as it does alone, and nothing is held
+    assert [stream.tokens for stream in streams] == expected
+    assert engine.live_sequences == 0
+
+
+def test_a_prompt_pass_budget_leaves_a_prefill_core_alone(tiny_runner: LoadedModel) -> None:
+    engine = EngineCore(tiny_runner, chunk_tokens=256, prompt_pass_s=1e-6)  # no kv_blocks: a prefill core
+    engine.start()
+    engine.close()
+    assert engine.prompts.chunk_tokens == 256
+
+
 def test_a_colocated_prompt_takes_the_blocks_of_a_sequence_aborted_in_the_same_step(runner: LoadedModel) -> None:
     sampling = SamplingParams(temperature=0.0)
     expected = _alone(runner, PROMPTS[0], sampling)
