@@ -72,6 +72,7 @@ class DecodeConfig:
     kv_shm: bool = True  # lend shared-memory segments, so a prefill worker on this host skips the wire
     prefill_chunk: int = 256  # colocated prompts: most tokens of a long prompt prefilled between two decode steps
     prefill_batch_tokens: int = 256  # colocated short prompts share a pass within this many padded tokens
+    prefill_pass_ms: float = 0  # > 0: colocated passes cut to about this long on this machine (measured at start)
     buffer_keep_mb: float = 1024  # idle shared-memory segments kept warm for the next reservations
     kv_warm_mb: float = 1024  # KV cache memory committed at startup (the blocks used first)
     kv_port: int = -1  # TransferKV's own port: -1 = the main port; 0 = a free one
@@ -88,6 +89,8 @@ class DecodeConfig:
         if self.prefill_chunk < 1 or self.prefill_batch_tokens < 1:
             raise ValueError(f"--prefill-chunk {self.prefill_chunk}, --prefill-batch-tokens "
                              f"{self.prefill_batch_tokens}: must be >= 1")
+        if self.prefill_pass_ms < 0:
+            raise ValueError(f"--prefill-pass-ms {self.prefill_pass_ms}: must be >= 0")
         if self.buffer_keep_mb < 0:
             raise ValueError(f"--kv-buffer-keep-mb {self.buffer_keep_mb}: must be >= 0")
         if self.kv_warm_mb < 0:
@@ -101,7 +104,8 @@ class DecodeConfig:
         return cls(server=server_config(args), model=model_config(args), max_seqs=args.max_seqs,
                    kv_budget_mb=args.kv_budget_mb, lease_s=args.lease_s, max_chunk_bytes=args.max_chunk_bytes,
                    kv_shm=args.kv_shm, buffer_keep_mb=args.buffer_keep_mb, prefill_chunk=args.prefill_chunk,
-                   prefill_batch_tokens=args.prefill_batch_tokens, kv_warm_mb=args.kv_warm_mb,
+                   prefill_batch_tokens=args.prefill_batch_tokens, prefill_pass_ms=args.prefill_pass_ms,
+                   kv_warm_mb=args.kv_warm_mb,
                    kv_port=args.kv_port)
 
     @staticmethod
@@ -125,6 +129,10 @@ class DecodeConfig:
         group.add_argument("--prefill-batch-tokens", type=int, default=256,
                            help="colocated short prompts share one pass while the padded batch holds at most this "
                            "many tokens (default: %(default)s)")
+        group.add_argument("--prefill-pass-ms", type=float, default=0,
+                           help="colocated prompts: cut the chunk and the batch to what one pass does in about this "
+                           "many ms here, timed at start (each pass stalls every running stream); 0: as configured "
+                           "(default: %(default)s)")
         group.add_argument("--kv-buffer-keep-mb", type=float, default=1024, dest="buffer_keep_mb",
                            help="idle shared-memory KV segments kept warm for later requests (default: %(default)s)")
         group.add_argument("--kv-port", type=int, default=-1,
@@ -151,7 +159,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.engine = EngineCore(runner, kv_blocks=blocks, chunk_tokens=config.prefill_chunk,
                                  batch_tokens=config.prefill_batch_tokens,
                                  kv_warm_bytes=min(int(config.kv_warm_mb * (1 << 20)), budget),
-                                 on_step=self._observe_step)
+                                 on_step=self._observe_step, prompt_pass_s=config.prefill_pass_ms / 1e3)
         keep = int(config.buffer_keep_mb * (1 << 20))
         pool = SegmentPool(keep_bytes=keep) if config.kv_shm and segments.SHM_DIR.is_dir() else None
         self.lender = SegmentLender(pool, spec.kv_bytes_per_token)
