@@ -36,6 +36,7 @@ BENCHES = {
     "prefix": "a shared system prompt and multi-turn chats, prefix cache off and on",
     "serve": "chats and documents through OpenAI-compatible servers (pdserve, vLLM, llama.cpp)",
     "soak": "a long mixed load with cancels and hostile requests; RSS, fds and live gauges",
+    "hostile": "a bystander stream's pace while the hostile corpus runs beside it",
 }
 
 
