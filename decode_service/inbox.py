@@ -22,8 +22,8 @@ from decode_service.reservations import Reservation, ReservationState, Reservati
 from kv_wire import codec
 from kv_wire.layout import KVTransferError, TransferState
 from kv_wire.receiver import KVReceiver, ReceivedKV
-from model_runner.loading import ModelSpec
 from protos import kv_transfer_pb2
+from protos.types import ModelSpec
 from serving import logs, tracing
 from serving.metrics import Metrics
 from serving.tls import require_peer

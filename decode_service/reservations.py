@@ -18,7 +18,7 @@ import grpc
 
 from kv_wire.layout import KVTransferError
 from kv_wire.segments import Segment
-from model_runner.sampling import SamplingParams
+from protos.types import SamplingParams
 
 
 class ReservationState(enum.Enum):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from model_runner.loading import ModelSpec
+from protos.types import ModelSpec
 
 
 def check_prompt(spec: ModelSpec, prompt_tokens: int, max_tokens: int, token_ids: Sequence[int] = (),

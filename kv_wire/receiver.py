@@ -27,9 +27,9 @@ import torch
 from kv_wire.codec import Chunk, Malformed, Received
 from kv_wire.layout import LOSSY_WIRE_DTYPES, WIRE_DTYPES, KVLayout, KVTransferError, TransferState, checksum
 from kv_wire.segments import Segment, data_region
-from model_runner.loading import ModelSpec
 from model_runner.paged_cache import KVPieces
 from protos import kv_transfer_pb2 as pb
+from protos.types import ModelSpec
 
 _KIND_INDEX: dict[int, int] = {pb.KV_KIND_KEYS: 0, pb.KV_KIND_VALUES: 1}
 

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from engine.validation import check_prompt
-from model_runner.loading import ModelSpec
+from protos.types import ModelSpec
 
 SPEC = ModelSpec(name="t", fingerprint="fp", dtype="float32", num_layers=1, num_kv_heads=1, head_dim=8,
                  vocab_size=100, max_model_len=16, eos_token_ids=(2,))
