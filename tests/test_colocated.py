@@ -11,7 +11,13 @@ import pytest
 from pdserve.client import generate, stream
 from pdserve.cluster import Cluster
 from protos import decode_pb2, decode_pb2_grpc, worker_pb2
-from tests.helpers import PROMPTS, assert_greedy_matches_hugging_face, assert_nothing_held, start_cluster
+from tests.helpers import (
+    PROMPTS,
+    assert_greedy_matches_hugging_face,
+    assert_nothing_held,
+    assert_nothing_live,
+    start_cluster,
+)
 
 pytestmark = pytest.mark.leak_check("colocated")
 
@@ -41,10 +47,13 @@ def test_seeded_sampling_is_the_same_colocated_and_disaggregated(colocated: Clus
 
 
 def test_cancelling_a_colocated_stream_frees_everything(colocated: Cluster) -> None:
+    # 1. A long colocated stream: the decode worker prefills it in chunks, then decodes.
     responses = stream(colocated.gateway.address, 60, prompt=PROMPTS[3], max_tokens=400, ignore_eos=True)
     next(responses)
-    responses.close()  # type: ignore[attr-defined]  # leaving the stream cancels the request
-    # the leak check after the test: no reservation, sequence, KV or buffer left on the decode worker
+    # 2. Leave the stream: that cancels the request.
+    responses.close()  # type: ignore[attr-defined]
+    # 3. Leak check: every live gauge is back at zero (and the module's GetInfo check runs after the test).
+    assert_nothing_live(colocated)
 
 
 def test_colocated_request_with_a_bad_prompt_is_invalid_argument(colocated: Cluster) -> None:

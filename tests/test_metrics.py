@@ -13,9 +13,11 @@ from tests.helpers import assert_nothing_held, assert_nothing_live, live_gauges,
 
 
 def test_live_gauges_follow_a_stream_and_return_to_zero_when_it_is_cancelled(tiny_cluster: Cluster) -> None:
-    assert all(service.metrics for _, service in services_by_role(tiny_cluster))  # announced in the cluster's JSON line
+    # 1. Every service announced its /metrics, and nothing is live.
+    assert all(service.metrics for _, service in services_by_role(tiny_cluster))  # in the cluster's JSON line
     assert set(live_gauges(tiny_cluster).values()) == {0}
-    before = {role: scrape(service.metrics) for role, service in services_by_role(tiny_cluster)[:1]}["gateway"]
+    before = scrape(tiny_cluster.gateway.metrics)
+    # 2. A long stream runs: one request at the gateway, one sequence decoding, its KV held.
     responses = stream(tiny_cluster.gateway.address, 60, prompt="Tell me a long story", max_tokens=400,
                        ignore_eos=True)
     next(responses)
@@ -23,13 +25,15 @@ def test_live_gauges_follow_a_stream_and_return_to_zero_when_it_is_cancelled(tin
     live = live_gauges(tiny_cluster)
     assert live["pdserve_live_requests"] == 1 and live["pdserve_live_sequences"] == 1
     assert live["pdserve_live_kv_bytes"] > 0
-    responses.close()  # type: ignore[attr-defined]  # cancels the request
+    # 3. Cancel it: the counters count it once, at the gateway and on decode.
+    responses.close()  # type: ignore[attr-defined]
     assert_nothing_live(tiny_cluster, within_s=1.0)
     after = scrape(tiny_cluster.gateway.metrics)
     assert after["pdserve_requests_total"] == before["pdserve_requests_total"] + 1
     assert after["pdserve_cancellations_total"] == before["pdserve_cancellations_total"] + 1
     decode_cancellations = sum(scrape(s.metrics)["pdserve_cancellations_total"] for s in tiny_cluster.decode)
     assert decode_cancellations >= 1
+    # 4. Leak check, through GetInfo as well as the gauges.
     assert_nothing_held(tiny_cluster)
 
 

@@ -139,6 +139,7 @@ def test_forged_reused_and_expired_reservation_tokens_are_refused_and_nothing_is
         with pytest.raises(grpc.RpcError) as expired:
             list(call)
         assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # type: ignore[attr-defined]
+        assert "lease" in expired.value.details()  # type: ignore[attr-defined]  # not the call's own 30 s deadline
         assert refused(kv_stream(gateway_side, "expired", token)) == grpc.StatusCode.PERMISSION_DENIED
     # 4. Leak check: nothing held on any worker.
     assert_nothing_held(secured)
