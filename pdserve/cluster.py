@@ -20,10 +20,10 @@ from serving.logs import LOG_FORMAT_ENV
 from serving.tls import TLS
 from serving.tls import channel as tls_channel
 
-COLOCATED_CHUNK = 32  # tokens: ~40 ms of bf16 prefill on one core with AMX, the most a decode step waits for one
-# ... and on a core without AMX or AVX-512 the decode worker cuts its chunks to what fits this at start: 32 tokens
-# of the default model took ~130 ms on an AVX2-only EPYC, a stall of every running stream (docs/benchmarks.md)
-COLOCATED_PASS_MS = 40
+# tokens: ~40 ms of bf16 prefill on one core with AMX, the most a decode step waits for one. On an AVX2-only EPYC
+# the same chunk took ~130 ms; `--decode-arg=--prefill-pass-ms=40` cuts it to what fits 40 ms there, which trades
+# the stall for more passes (a lower ITL p99, a higher p50: docs/benchmarks.md, "hostile"), so it is not the default
+COLOCATED_CHUNK = 32
 
 
 @dataclass(frozen=True)
@@ -211,8 +211,7 @@ def start(config: ClusterConfig) -> Cluster:
     workers: list[Service] = []
     cpus = iter(config.worker_cpus())
     # decode workers prefill short prompts in small chunks (a flag in decode_args still wins: the last one does)
-    colocated = ([f"--prefill-chunk={COLOCATED_CHUNK}", f"--prefill-pass-ms={COLOCATED_PASS_MS}"]
-                 if config.colocate_below and config.prefill else [])
+    colocated = [f"--prefill-chunk={COLOCATED_CHUNK}"] if config.colocate_below and config.prefill else []
     try:
         for role, count, ports, extra in (("prefill", config.prefill, config.prefill_ports, config.prefill_args),
                                           ("decode", config.decode, config.decode_ports,
