@@ -54,6 +54,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--colocate-below", type=int, default=None,
                         help="the cluster's --colocate-below (default: 512, as `pdserve cluster`, or half a small "
                         "model's context)")
+    parser.add_argument("--decode-arg", action="append", default=[], metavar="FLAG",
+                        help="extra flag for the decode worker, e.g. --decode-arg=--prefill-pass-ms=40")
     parser.add_argument("--drain-timeout", type=float, default=5.0,
                         help="seconds the live gauges get to reach 0 after the last round (default: %(default)s)")
     add_output_args(parser, "hostile")
@@ -144,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"bench hostile: starting a cluster on {model} (its logs: {log.name})", file=sys.stderr, flush=True)
     with log, stderr_to(log.fileno()):
         cluster = start(ClusterConfig(prefill=1, decode=1, model=str(model), startup_timeout_s=300,
-                                      colocate_below=colocate_below))
+                                      colocate_below=colocate_below, decode_args=tuple(args.decode_arg)))
     try:
         with cluster.channel(cluster.decode[0]) as channel:
             info = decode_pb2_grpc.DecodeStub(channel).GetInfo(worker_pb2.WorkerInfoRequest(), timeout=10)
@@ -191,7 +193,7 @@ def _report(args: argparse.Namespace, colocate_below: int, corpora: dict[str, Co
     return {
         "config": {"model": str(args.model), "rounds": args.rounds, "tokens": args.tokens,
                    "concurrency": args.concurrency, "seed": args.seed, "target_ratio": TARGET_RATIO,
-                   "colocate_below": colocate_below},
+                   "colocate_below": colocate_below, "decode_args": args.decode_arg},
         "bystander": {**sides, "p99_ratio": ratios},
         "corpus": {"kinds_refused": REFUSED, "kinds_served": sorted(set(HOSTILE) - set(REFUSED)),
                    "requests": {side: sum(sum(c.values()) for c in corpus.outcomes.values())
