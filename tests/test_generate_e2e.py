@@ -11,7 +11,13 @@ from transformers import AutoTokenizer
 from pdserve.client import generate, stream
 from pdserve.cluster import Cluster
 from protos import gateway_pb2, gateway_pb2_grpc
-from tests.helpers import PROMPTS, assert_greedy_matches_hugging_face, assert_nothing_held, start_cluster
+from tests.helpers import (
+    PROMPTS,
+    assert_greedy_matches_hugging_face,
+    assert_nothing_held,
+    assert_nothing_live,
+    start_cluster,
+)
 
 pytestmark = pytest.mark.leak_check("tiny_cluster")
 
@@ -127,35 +133,43 @@ def test_bad_input_is_refused_with_invalid_argument_and_service_keeps_serving(
 
 
 def test_cancelling_mid_stream_frees_every_worker(tiny_cluster: Cluster) -> None:
-    # 1. start a long completion and read a few pieces
+    # 1. Start a long completion and read a few pieces.
     responses = stream(tiny_cluster.gateway.address, timeout=60, prompt="Count to one thousand:", max_tokens=400,
                        temperature=0.0, ignore_eos=True)
     for _ in range(3):
         next(responses)
-    # 2. leave the stream: the client cancels the call
+    # 2. Leave the stream: the client cancels the call.
     responses.close()
-    # 3. the autouse leak check proves every worker let go; a new request succeeds
-    assert_nothing_held(tiny_cluster)
+    # 3. Leak check: every live gauge, gateway included, is back at zero.
+    assert_nothing_live(tiny_cluster)
+    # 4. A new request succeeds (and the module's leak check runs after it).
     assert generate(tiny_cluster.gateway.address, timeout=60, prompt="Hi", max_tokens=2).finish_reason
 
 
 def test_deadline_exceeded_frees_every_worker(tiny_cluster: Cluster) -> None:
+    # 1. A completion far longer than its 0.5 s deadline: the deadline passes mid-stream.
     with pytest.raises(grpc.RpcError) as expired:
         generate(tiny_cluster.gateway.address, timeout=0.5, prompt="Count to one thousand:", max_tokens=450,
                  temperature=0.0, ignore_eos=True)
     assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # 2. Leak check.
+    assert_nothing_live(tiny_cluster)
 
 
 def test_request_id_in_flight_is_refused_with_already_exists(tiny_cluster: Cluster) -> None:
     address = tiny_cluster.gateway.address
+    # 1. A stream runs under a request id.
     running = stream(address, timeout=60, prompt="Count to one thousand:", max_tokens=400, temperature=0.0,
                      ignore_eos=True, request_id="same-id")
     next(running)
+    # 2. A second request with that id is refused while the first runs.
     with pytest.raises(grpc.RpcError) as duplicate:
         generate(address, timeout=30, prompt="Hi", max_tokens=2, request_id="same-id")
     assert duplicate.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    # 3. Cancel the first; leak check.
     running.close()
-    assert_nothing_held(tiny_cluster)
+    assert_nothing_live(tiny_cluster)
+    # 4. The id is free again.
     assert generate(address, timeout=30, prompt="Hi", max_tokens=2, request_id="same-id").finish_reason
 
 
@@ -175,18 +189,22 @@ def test_bfloat16_wire_halves_the_kv_bytes_and_still_generates(tiny_cluster: Clu
 
 def test_cancel_by_request_id_ends_the_stream_and_frees_every_worker(tiny_cluster: Cluster) -> None:
     address = tiny_cluster.gateway.address
+    # 1. A stream runs under a request id.
     responses = stream(address, 60, prompt=PROMPTS[3], max_tokens=400, ignore_eos=True, request_id="to-cancel")
     next(responses)
     with grpc.insecure_channel(address) as channel:  # another connection, as an operator's tool would use
         gateway = gateway_pb2_grpc.GatewayStub(channel)
+        # 2. Cancel it by id: the stream ends CANCELLED, saying why.
         assert gateway.Cancel(gateway_pb2.CancelRequest(request_id="to-cancel"), timeout=10).cancelled
         with pytest.raises(grpc.RpcError) as ended:
             for _ in responses:
                 pass
         assert ended.value.code() == grpc.StatusCode.CANCELLED
         assert "cancelled by a Cancel call" in (ended.value.details() or "")
+        # 3. A second Cancel finds nothing; one without an id is refused.
         assert not gateway.Cancel(gateway_pb2.CancelRequest(request_id="to-cancel"), timeout=10).cancelled
         with pytest.raises(grpc.RpcError) as refused:
             gateway.Cancel(gateway_pb2.CancelRequest(), timeout=10)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    # the leak check after the test: nothing held on any worker
+    # 4. Leak check.
+    assert_nothing_live(tiny_cluster)
