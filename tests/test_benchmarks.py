@@ -1,4 +1,9 @@
-"""The benchmarks run end to end and print the JSON the issues specify (tiny sizes: no figure is checked here)."""
+"""The benchmarks run end to end and print the JSON the issues specify.
+
+At these tiny sizes on a shared machine no figure is held to a speed. What is checked is what must hold however fast
+the machine: counts equal to what was sent, times and rates above zero, and orderings that hold by construction
+(a p50 is at most its p99, a p99 at most the maximum, a request's first token no later than its last).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
 
@@ -22,7 +29,9 @@ def test_bench_kv_prints_every_key_and_writes_json_and_plot(tiny_model_dir: Path
     for key in ("grpc_gbps", "grpc_ceiling_gbps", "grpc_hot_chunk_gbps", "grpc_prebuilt_gbps", "tcp_gbps", "shm_gbps",
                 "shm_copy_gbps", "memcpy_gbps"):
         assert result[key] > 0, key
-    assert set(result["cases"]) == {"64", "128"}
+    cases = result["cases"]
+    assert set(cases) == {"64", "128"} and [cases[k]["tokens"] for k in ("64", "128")] == [64, 128]
+    assert cases["128"]["kv_bytes"] == 2 * cases["64"]["kv_bytes"] > 0  # KV grows with the tokens, exactly
     assert result["exposed"]["shm"]["transport"] == "shm" and result["exposed"]["grpc"]["transport"] == "grpc"
     assert isinstance(result["exposed_transfer_frac"], float)
     assert json.loads((tmp_path / "kv.json").read_text())["cases"] == result["cases"]
@@ -49,14 +58,18 @@ def test_bench_scenarios_runs_both_modes_and_prints_the_metrics(tiny_model_dir: 
     result = _bench("scenarios", "--model", str(tiny_model_dir), "--scenarios", "smoke,batch_pressure",
                     "--scale", "0.05", "--out", str(tmp_path))
     assert set(result) == {"smoke", "batch_pressure"}
-    for modes in result.values():
+    # At scale 0.05 every request asks for 2 tokens (ignoring eos): smoke sends 4, batch_pressure 12 at once at 8
+    # decode slots (the refused ones retry, and all finish).
+    sent = {"smoke": 4, "batch_pressure": 12}
+    for name, modes in result.items():
         assert set(modes) == {"colocated", "disaggregated"}
-        for m in modes.values():
-            for key in ("wall_s", "gen_tok_per_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "itl_max"):
-                assert m[key] >= 0, key
-    # batch_pressure sends 12 requests at once at 8 decode slots: the refused ones retry and all finish
-    assert result["batch_pressure"]["disaggregated"]["requests"] == 12
-    assert result["batch_pressure"]["disaggregated"]["generated_tokens"] == 12 * 2
+        for mode, m in modes.items():
+            where = f"{name} {mode}"
+            assert m["requests"] == sent[name] and m["generated_tokens"] == 2 * sent[name], where
+            assert m["wall_s"] > 0 and m["gen_tok_per_s"] == pytest.approx(m["generated_tokens"] / m["wall_s"]), where
+            assert 0 < m["ttft_p50"] <= m["ttft_p99"] <= m["wall_s"], where
+            assert m["ttft_p50"] <= m["latency_p50"] and m["latency_p99"] <= m["wall_s"], where
+            assert 0 <= m["itl_p50"] <= m["itl_p99"] <= m["itl_max"] <= m["wall_s"], where
     assert (tmp_path / "scenarios.png").stat().st_size > 0
 
 
@@ -64,11 +77,13 @@ def test_bench_interference_reports_chats_documents_and_goodput(tiny_model_dir: 
     result = _bench("interference", "--model", str(tiny_model_dir), "--duration", "4", "--chat-every", "1",
                     "--doc-every", "2", "--doc-tokens", "200", "--scale", "0.2", "--out", str(tmp_path))
     assert set(result) == {"colocated", "disaggregated"}
-    for m in result.values():
-        for key in ("wall_s", "gen_tok_per_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "itl_max", "goodput",
-                    "doc_ttft_p50"):
-            assert m[key] >= 0, key
+    # 4 s of arrivals: a chat every second (4), a document every 2 s from 2 s on (2).
+    for mode, m in result.items():
         assert m["chats"] == 4 and 0 <= m["chats_within_slo"] <= 4 and m["slo"] == {"ttft_s": 2.0, "tpot_s": 0.2}
+        assert m["wall_s"] > 0 and m["gen_tok_per_s"] > 0, mode
+        assert 0 < m["ttft_p50"] <= m["ttft_p99"] <= m["wall_s"] and 0 < m["doc_ttft_p50"] <= m["wall_s"], mode
+        assert 0 <= m["itl_p50"] <= m["itl_p99"] <= m["itl_max"] <= m["wall_s"], mode
+        assert m["goodput"] == pytest.approx(m["chats_within_slo"] / m["wall_s"]), mode
     assert (tmp_path / "interference.png").stat().st_size > 0
 
 
@@ -77,7 +92,15 @@ def test_bench_chaos_runs_every_experiment_and_reports_ok(tiny_model_dir: Path, 
                     "--out", str(tmp_path))
     assert set(result) == {"cancel_storm", "kill_decode", "kill_prefill", "link_fault", "overload"}
     assert all(isinstance(r["ok"], bool) for r in result.values())
-    assert result["cancel_storm"]["requests"] == 20 and result["kill_decode"]["streams"] == 4
+    storm, kill_decode, kill_prefill = result["cancel_storm"], result["kill_decode"], result["kill_prefill"]
+    # every request of the storm ended one of three ways
+    assert storm["requests"] == 20 == (storm["finished_first"] + storm["cancelled_mid_stream"]
+                                       + storm["cancelled_before_first_token"])
+    # a killed worker's requests are retried or migrated, and all complete (deadlines of 300 s: not a speed)
+    assert kill_decode["streams"] == 4 == kill_decode["completed"] and kill_decode["identical"] <= 4
+    assert kill_prefill["requests"] == 4 == kill_prefill["completed"]
+    assert sum(result["link_fault"]["statuses"].values()) == result["link_fault"]["requests"] == 4
+    assert result["overload"]["admitted"] > 0  # the flood's first requests get places
     assert result["overload"]["refused"] > 0  # the flood is 10x what the tiny cluster serves
     assert json.loads((tmp_path / "chaos.json").read_text()) == result
 
