@@ -113,33 +113,35 @@ class DecodeConfig:
         add_server_args(parser)
         add_model_args(parser)
         group = parser.add_argument_group("decode")
-        group.add_argument("--max-seqs", type=int, default=64, help="sequences decoded at once (default: %(default)s)")
-        group.add_argument("--kv-budget-mb", type=float, default=0,
+        group.add_argument("--max-seqs", type=int, default=DecodeConfig.max_seqs,
+                           help="sequences decoded at once (default: %(default)s)")
+        group.add_argument("--kv-budget-mb", type=float, default=DecodeConfig.kv_budget_mb,
                            help=f"KV memory reservations may draw on: the paged KV cache's size (0: "
                            f"{DEFAULT_KV_BUDGET_MB} MiB, or less if --max-seqs sequences at full context need less)")
-        group.add_argument("--lease", type=float, default=30.0, dest="lease_s",
+        group.add_argument("--lease", type=float, default=DecodeConfig.lease_s, dest="lease_s",
                            help="seconds a reservation waits for its KV (default: %(default)s)")
         group.add_argument("--max-chunk-bytes", type=int, default=MAX_CHUNK_BYTES,
                            help="largest KV chunk accepted (default: %(default)s)")
         group.add_argument("--no-kv-shm", action="store_false", dest="kv_shm",
                            help="lend no shared-memory segments: every KV byte comes over gRPC")
-        group.add_argument("--prefill-chunk", type=int, default=256,
+        group.add_argument("--prefill-chunk", type=int, default=DecodeConfig.prefill_chunk,
                            help="colocated prompts: longer ones are prefilled in passes of this many tokens between "
                            "two decode steps (default: %(default)s)")
-        group.add_argument("--prefill-batch-tokens", type=int, default=256,
+        group.add_argument("--prefill-batch-tokens", type=int, default=DecodeConfig.prefill_batch_tokens,
                            help="colocated short prompts share one pass while the padded batch holds at most this "
                            "many tokens (default: %(default)s)")
-        group.add_argument("--prefill-pass-ms", type=float, default=0,
+        group.add_argument("--prefill-pass-ms", type=float, default=DecodeConfig.prefill_pass_ms,
                            help="colocated prompts: cut the chunk and the batch to what one pass does in about this "
                            "many ms here, timed at start (each pass stalls every running stream); 0: as configured "
                            "(default: %(default)s)")
-        group.add_argument("--kv-buffer-keep-mb", type=float, default=1024, dest="buffer_keep_mb",
+        group.add_argument("--kv-buffer-keep-mb", type=float, default=DecodeConfig.buffer_keep_mb,
+                           dest="buffer_keep_mb",
                            help="idle shared-memory KV segments kept warm for later requests (default: %(default)s)")
-        group.add_argument("--kv-port", type=int, default=-1,
+        group.add_argument("--kv-port", type=int, default=DecodeConfig.kv_port,
                            help="serve TransferKV (the KV stream from prefill) on this port of its own, so a network "
                            "policy can open it to prefill workers only; 0 picks a free one; -1 serves it on --port "
                            "(default)")
-        group.add_argument("--kv-warm-mb", type=float, default=1024,
+        group.add_argument("--kv-warm-mb", type=float, default=DecodeConfig.kv_warm_mb,
                            help="KV cache memory committed at startup, so joining "
                            "sequences do not stall the batch on page faults (default: %(default)s)")
 

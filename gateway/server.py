@@ -131,7 +131,7 @@ class GatewayConfig:
         group.add_argument("--decode", action="append", default=[], metavar="HOST:PORT",
                            help="decode worker address (repeat, or comma-separate)")
         group.add_argument("--model", default=DEFAULT_MODEL, help="model directory whose tokenizer to use")
-        group.add_argument("--colocate-below", type=int, default=0, metavar="TOKENS",
+        group.add_argument("--colocate-below", type=int, default=GatewayConfig.colocate_below, metavar="TOKENS",
                            help="prompts shorter than this go to a decode worker that prefills them itself "
                            "(conditional disaggregation; default: %(default)s, never)")
         group.add_argument("--max-in-flight", type=int, default=AdmissionConfig.max_in_flight,
@@ -162,17 +162,17 @@ class GatewayConfig:
                            dest="keepalive_timeout_s",
                            help="seconds a worker has to answer a ping before its connection is closed and its "
                            "calls fail over (default: %(default)s)")
-        group.add_argument("--poll-interval", type=float, default=0.5, dest="poll_interval_s",
+        group.add_argument("--poll-interval", type=float, default=GatewayConfig.poll_interval_s, dest="poll_interval_s",
                            help="seconds between reads of each worker's health and load, which pick the least "
                            "loaded worker and route around draining ones (default: %(default)s)")
-        group.add_argument("--http-port", type=int, default=0,
+        group.add_argument("--http-port", type=int, default=GatewayConfig.http_port,
                            help="port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
                            "/v1/models); 0 picks a free one, -1 turns it off (default: 0)")
-        group.add_argument("--api-key-file", default="",
+        group.add_argument("--api-key-file", default=GatewayConfig.api_key_file,
                            help="file of API keys, one per line, that clients must send as `authorization: Bearer "
                            "KEY` (gRPC metadata or HTTP header); PDSERVE_API_KEYS (comma-separated) adds more. "
                            "Default: no key needed")
-        group.add_argument("--prefix-balance-tokens", type=int, default=2048,
+        group.add_argument("--prefix-balance-tokens", type=int, default=GatewayConfig.prefix_balance_tokens,
                            help="send a prompt to the prefill worker most likely to hold its prefix while that "
                            "worker's queue is within this many tokens of the least loaded one's; -1 routes by load "
                            "alone (default: %(default)s)")
@@ -183,9 +183,10 @@ class GatewayConfig:
                            help="seconds an HTTP request may run in all, as a gRPC client's deadline does; past it the "
                            "request ends with 504 (or an error event, when streaming) and frees every worker "
                            "(default: %(default)s)")
-        group.add_argument("--served-model-name", default="",
+        group.add_argument("--served-model-name", default=GatewayConfig.served_model_name,
                            help="the model's name in the HTTP API (default: the model directory's name)")
-        group.add_argument("--startup-timeout", type=float, default=300.0, dest="startup_timeout_s",
+        group.add_argument("--startup-timeout", type=float, default=GatewayConfig.startup_timeout_s,
+                           dest="startup_timeout_s",
                            help="seconds to wait for every worker to answer (default: %(default)s)")
 
 

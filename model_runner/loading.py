@@ -208,12 +208,13 @@ def add_model_args(parser: Any) -> None:
     group = parser.add_argument_group("model")
     group.add_argument("--model", default=DEFAULT_MODEL,
                        help=f"a local Hugging Face causal-LM directory, or {DEFAULT_MODEL!r} (default)")
-    group.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),
+    group.add_argument("--dtype", default=ModelConfig.dtype, choices=sorted(DTYPES),
                        help="compute and KV dtype (default: %(default)s)")
-    group.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    group.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    group.add_argument("--max-model-len", type=int, default=0, help="longest sequence served (0: the model's)")
-    group.add_argument("--runner", default="auto", choices=RUNNERS,
+    group.add_argument("--device", default=ModelConfig.device, help="cpu or cuda[:N]")
+    group.add_argument("--threads", type=int, default=ModelConfig.threads, help="torch threads (0: torch's default)")
+    group.add_argument("--max-model-len", type=int, default=ModelConfig.max_model_len,
+                       help="longest sequence served (0: the model's)")
+    group.add_argument("--runner", default=ModelConfig.runner, choices=RUNNERS,
                        help="fast: the Llama-family runner; hf: the Hugging Face modules (the reference); auto: fast "
                        "where it covers the model (default)")
 

@@ -13,12 +13,16 @@ import json
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import grpc
 
 from protos.types import DTYPE_BYTES
 from serving import tls
 from serving.models import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from pdserve.cluster import ClusterConfig
 
 DEFAULT_TRACE_DIR = ".pdserve/traces"
 DEMO_PROMPT = "<|im_start|>user\nExplain in two sentences why the sky is blue.<|im_end|>\n<|im_start|>assistant\n"
@@ -42,6 +46,13 @@ BENCHES = {
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    sys.exit(args.run(args, parser))
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """Every command's flags (a benchmark's only when `argv` names it)."""
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated LLM serving: prefill and decode as "
                                      "separate gRPC services, the KV cache streamed between them.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -49,8 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     _add_client_commands(commands)
     _add_trace_and_health(commands)
     _add_bench(commands, argv)
-    args = parser.parse_args(argv)
-    sys.exit(args.run(args, parser))
+    return parser
 
 
 def _add_cluster(commands: argparse._SubParsersAction) -> None:
@@ -163,19 +173,25 @@ def _ports(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in text.split(",") if p.strip())
 
 
+def cluster_config(args: argparse.Namespace) -> ClusterConfig:
+    """`pdserve cluster`'s flags as a ClusterConfig. The flags' defaults are written out above rather than read from
+    ClusterConfig, so that `pdserve --help` imports nothing heavy; tests/test_config_defaults.py holds them equal."""
+    from pdserve.cluster import ClusterConfig
+
+    return ClusterConfig(prefill=args.prefill, decode=args.decode, model=args.model, dtype=args.dtype,
+                         device=args.device, host=args.host, gateway_port=args.port, http_port=args.http_port,
+                         prefill_ports=_ports(args.prefill_ports), decode_ports=_ports(args.decode_ports),
+                         threads=args.threads, prefill_args=tuple(args.prefill_arg),
+                         gateway_args=tuple(args.gateway_arg), decode_args=tuple(args.decode_arg), pin=args.pin,
+                         colocate_below=args.colocate_below, trace_dir=args.trace_dir, tls_dir=args.tls_dir,
+                         log_format=args.log_format if args.log_format != "text" else "")
+
+
 def _cluster(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from pdserve.cluster import ClusterConfig, serve_until_signal, start
+    from pdserve.cluster import serve_until_signal, start
 
     try:
-        config = ClusterConfig(prefill=args.prefill, decode=args.decode, model=args.model, dtype=args.dtype,
-                               device=args.device, host=args.host, gateway_port=args.port,
-                               http_port=args.http_port,
-                               prefill_ports=_ports(args.prefill_ports), decode_ports=_ports(args.decode_ports),
-                               threads=args.threads, prefill_args=tuple(args.prefill_arg),
-                               gateway_args=tuple(args.gateway_arg),
-                               decode_args=tuple(args.decode_arg), pin=args.pin,
-                               colocate_below=args.colocate_below, trace_dir=args.trace_dir, tls_dir=args.tls_dir,
-                               log_format=args.log_format if args.log_format != "text" else "")
+        config = cluster_config(args)
     except ValueError as exc:
         parser.error(str(exc))
     cluster = start(config)

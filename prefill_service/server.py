@@ -103,26 +103,26 @@ class PrefillConfig:
         group = parser.add_argument_group("prefill")
         group.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
                            help="KV bytes per transfer message (default: %(default)s)")
-        group.add_argument("--wire-dtype", default="", choices=["", *LOSSY_WIRE_DTYPES],
+        group.add_argument("--wire-dtype", default=PrefillConfig.wire_dtype, choices=["", *LOSSY_WIRE_DTYPES],
                            help="send float32 KV as bfloat16 or float16: half the bytes, lossy (default: the "
                            "model's dtype, exact)")
         group.add_argument("--no-kv-shm", action="store_false", dest="kv_shm",
                            help="never use a decode worker's shared-memory segment: send every KV byte over gRPC")
         group.add_argument("--no-layer-streaming", action="store_false", dest="layer_streaming",
                            help="send the KV after the whole forward pass instead of layer by layer (a baseline)")
-        group.add_argument("--prefill-chunk", type=int, default=256,
+        group.add_argument("--prefill-chunk", type=int, default=PrefillConfig.prefill_chunk,
                            help="prompts longer than this run in passes of this many tokens, taking turns with "
                            "short prompts (default: %(default)s)")
-        group.add_argument("--prefill-batch-tokens", type=int, dest="batch_tokens", default=256,
+        group.add_argument("--prefill-batch-tokens", type=int, dest="batch_tokens", default=PrefillConfig.batch_tokens,
                            help="short prompts share one forward pass while the padded batch holds at most this "
                            "many tokens (default: %(default)s)")
-        group.add_argument("--prefix-cache-mb", type=float, default=512,
+        group.add_argument("--prefix-cache-mb", type=float, default=PrefillConfig.prefix_cache_mb,
                            help="KV of prompt prefixes kept for reuse, so a prompt that starts like an earlier one "
                            "only computes the rest; least recently used evicted first; 0 turns it off "
                            "(default: %(default)s)")
-        group.add_argument("--prefix-block-tokens", type=int, default=16,
+        group.add_argument("--prefix-block-tokens", type=int, default=PrefillConfig.prefix_block_tokens,
                            help="prefixes are cached and matched in blocks of this many tokens (default: %(default)s)")
-        group.add_argument("--max-queued-tokens", type=int, default=65536,
+        group.add_argument("--max-queued-tokens", type=int, default=PrefillConfig.max_queued_tokens,
                            help="prompt tokens waiting or running; a prompt beyond it is refused with "
                            "RESOURCE_EXHAUSTED (default: %(default)s)")
 

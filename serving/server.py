@@ -76,15 +76,15 @@ class ServerConfig:
 
 def add_server_args(parser: argparse.ArgumentParser, default_port: int = 0) -> None:
     group = parser.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback)")
+    group.add_argument("--host", default=ServerConfig.host, help="address to listen on (default: loopback)")
     group.add_argument("--port", type=int, default=default_port, help="port; 0 picks a free one (default: %(default)s)")
-    group.add_argument("--grace", type=float, default=5.0, dest="grace_s",
+    group.add_argument("--grace", type=float, default=ServerConfig.grace_s, dest="grace_s",
                        help="seconds in-flight calls get to finish on SIGTERM (default: %(default)s)")
-    group.add_argument("--metrics-port", type=int, default=0,
+    group.add_argument("--metrics-port", type=int, default=ServerConfig.metrics_port,
                        help="HTTP port of Prometheus /metrics; 0 picks a free one, -1 turns it off (default: 0)")
-    group.add_argument("--max-concurrent-rpcs", type=int, default=1024,
+    group.add_argument("--max-concurrent-rpcs", type=int, default=ServerConfig.max_concurrent_rpcs,
                        help="calls served at once; more are refused with RESOURCE_EXHAUSTED (default: %(default)s)")
-    group.add_argument("--stall-s", type=float, default=30.0,
+    group.add_argument("--stall-s", type=float, default=ServerConfig.stall_s,
                        help="a worker whose engine has run one pass or step for longer than this reports "
                        "NOT_SERVING until it moves again (default: %(default)s)")
     tls.add_args(group)
