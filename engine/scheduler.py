@@ -2,9 +2,8 @@
 
 Two kinds of pass:
 - a batch of short prompts (at most one chunk each), right-padded into one pass while the padded batch stays
-  within `batch_tokens`: one core reads the weights once for all of them (measured on the default model: 4
-  prompts of 16 tokens run 1.9x faster batched than one by one, of 64 tokens 1.3x, of 128 tokens no faster,
-  so the default is 256);
+  within `batch_tokens`: one core reads the weights once for all of them, which pays for short prompts and
+  stops paying past ~128 tokens, so the default is 256 (docs/architecture.md, "Why these numbers");
 - the next chunk of at most `chunk_tokens` of the oldest long prompt.
 When both kinds wait they take turns: a short prompt waits at most one chunk behind a long one, and a stream of
 short prompts never starves a long one.

@@ -37,8 +37,8 @@ from protos.types import check_temperature
 log = logging.getLogger(__name__)
 
 # A request body's size: 1 MiB, aiohttp's own default. That is ~250,000 tokens of prompt, past any context served
-# here. The body is parsed on the event loop (json.loads holds the GIL, so a thread would not free the loop): the
-# worst 1 MiB (half a million empty arrays) takes ~45 ms, a real one (one long string) ~1 ms.
+# here. The body is parsed on the event loop (json.loads holds the GIL, so a thread would not free the loop), and
+# the cap bounds that parse to tens of milliseconds at worst (docs/architecture.md, "Why these numbers").
 MAX_BODY_BYTES = 1 << 20
 # Seconds the whole body may take to arrive once the headers have: a slowloris client trickling it holds a
 # connection, never more, and only this long. 1 MiB arrives in 30 s at 280 kbit/s.

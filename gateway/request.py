@@ -24,13 +24,13 @@ MAX_REQUEST_ID_CHARS = 128
 MAX_STOP_STRINGS = 16
 # Characters in one stop string: as AWS Bedrock caps them (OpenAI documents only a count, 4), far past any real
 # sentinel ("\n\n", "</answer>", "User:"). The gateway's event loop builds a request's stop matcher in time linear
-# in its stops' characters: 16 at the cap take ~30 ms here; a 300,000-character one would take seconds.
+# in its stops' characters, so the cap bounds that (docs/architecture.md, "Why these numbers").
 MAX_STOP_CHARS = 1000
 # Turns of a conversation: as OpenAI's API caps `messages` ("maximum length of 2048 items"). Each is checked and
 # rendered through the chat template, so the count bounds that work; no model's context holds more turns anyway.
 MAX_MESSAGES = 2048
 
-# Tokenizing and rendering chat templates cost ~0.45 us a character here: 8 MiB of prompt took 6 s. They run on
+# Tokenizing and rendering chat templates take time linear in the prompt (seconds for megabytes). They run on
 # these threads, never on the event loop (the Rust tokenizer lets go of the GIL while it encodes), two at a time
 # so that one long prompt does not queue every other behind it, and no more, so that a flood of long prompts
 # takes at most two of the host's cores from the workers. A prompt is measured before it is queued here.

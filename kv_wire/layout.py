@@ -76,9 +76,7 @@ def copy_with_checksum(target: np.ndarray, source: np.ndarray) -> int:
 
     Copying a tensor larger than the cache, then hashing it, reads every byte from memory twice; block by block
     the hash reads what the copy just wrote from cache, and a source of one block or less is copied, then hashed,
-    in one go. Smaller blocks cost more calls than they save: on the reference
-    machine, 94 MB in 768 KiB messages (warm heap) took 3.9-4.4 ms as one block each, 4.5-5.1 ms in 256 KiB
-    blocks; 3 MB tensors into a shared-memory segment, 5.5-6.7 ms in 512-768 KiB blocks, 6.3-6.8 in 256 KiB.
+    in one go. Smaller blocks cost more calls than they save (docs/architecture.md, "Why these numbers").
     """
     if len(source) <= COPY_BLOCK_BYTES:
         np.copyto(target, source)

@@ -7,7 +7,7 @@ The received bytes are the KV, verified where they landed and never copied on th
 them straight into the sequence's slot when it joins.
 - gRPC: each chunk is a view of its message (see codec.py), kept. That is only fast because the messages land
   in warm heap pages (serving/memory.py); left at glibc's defaults, every message got fresh pages and holding
-  them measured 2-4x slower than copying them into a warm staging buffer.
+  them was slower than copying them into a warm staging buffer (docs/architecture.md, "A warm heap").
 - Shared memory: each chunk is verified in the lent segment, which stays lent until the join. Verified bytes
   can only change if a writer writes after its trailer, which pdserve's sender never does; a segment whose
   transfer did not end in an admitted KV may still have a writer, so decode retires it instead of lending it

@@ -146,9 +146,8 @@ def host_bytes(tensor: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
 
 
 # Shared-memory streams send the descriptors of the tensors already written in one message, covering up to
-# this much KV: fewer messages, while decode verifies one batch as the next is written. Measured on the
-# reference machine with every layer ready: 512 tokens 4.5 ms one layer a message, 3.6 ms in 4 MiB batches;
-# 2048 tokens 9.9 and 9.6 ms, and 11.6 ms in a single batch (decode then verifies only after the last write).
+# this much KV: fewer messages, while decode verifies one batch as the next is written; one batch for everything
+# would verify only after the last write (docs/architecture.md, "Why these numbers").
 SHM_BATCH_BYTES = 4 << 20
 
 # What prefill hands the stream: a finished layer (layer, keys, values), then the first token, which closes the

@@ -3,9 +3,9 @@
 Every KV chunk is a bytes object of up to a few MiB (768 KiB by default) on both ends of a transfer (grpcio
 hands each message over as one). glibc serves a block that size with mmap() until a free has raised its dynamic
 threshold, and gives the top of the heap back to the kernel once more than twice that threshold is free. Both
-send the next message into fresh pages, and a first write to a fresh page costs more than the copy itself
-(about 1.5 GB/s against 18 GB/s on the reference machine). Raw grpcio streaming into a process left at the
-defaults ran at 1.1 to 1.6 GB/s; with the heap kept, at 3 to 4.7 GB/s (see the README's KV transfer section).
+send the next message into fresh pages, and a first write to a fresh page costs more than the copy itself; raw
+grpcio streaming into a process left at the defaults ran at a third of its speed with the heap kept (figures:
+docs/architecture.md, "A warm heap").
 
 So every pdserve process (and the benchmark's own processes, ceilings included) serves blocks under 32 MiB
 (glibc's own upper bound for its dynamic threshold) from the heap and keeps up to 1 GiB of freed heap mapped,
