@@ -109,7 +109,7 @@ def test_a_tiny_temperature_is_greedy_on_both_transports(client: openai.OpenAI, 
 
 
 @pytest.mark.parametrize(("kwargs", "param"), [
-    ({"temperature": 5}, None),  # checked by the gateway, as for gRPC: the message names it
+    ({"temperature": 5}, "temperature"),  # over [0, 2]: one rule for both APIs (protos/types.check_temperature)
     ({"n": 2}, "n"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"logprobs": True}, "logprobs"),
