@@ -224,7 +224,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.metrics = Metrics(
             gauges={"pdserve_live_requests": ("requests in flight at the gateway, queued ones included",
                                               lambda: len(self._in_flight)),
-                    "pdserve_queued_requests": ("requests waiting for a place", lambda: self.admission.queued)},
+                    "pdserve_queued_requests": ("requests waiting for a place", lambda: self.admission.queued),
+                    "pdserve_serving_prefill_workers": ("prefill workers routed to: SERVING at their last health poll",
+                                                        lambda: sum(w.serving for w in self.prefill.workers)),
+                    "pdserve_serving_decode_workers": ("decode workers routed to: SERVING at their last health poll",
+                                                       lambda: sum(w.serving for w in self.decode.workers))},
             counters={"pdserve_requests": "requests accepted (valid and not a duplicate id)",
                       "pdserve_cancellations": "requests the client cancelled, left or let expire",
                       "pdserve_retries": "attempts retried on another worker before the first token",

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
 from pathlib import Path
 
 import grpc
@@ -15,6 +14,7 @@ from gateway.workers import PairBreakers, Pool
 from pdserve.client import generate, stream
 from pdserve.cluster import Service, spawn_service, stop_all, wait_ready
 from protos import worker_pb2
+from serving.metrics import scrape
 from tests.helpers import POEM, assert_nothing_held, decoding_worker, start_cluster, wait_until
 
 
@@ -75,9 +75,9 @@ def test_a_draining_decode_worker_finishes_its_stream_while_new_requests_go_else
         draining = decoding_worker(cluster)
         draining.process.send_signal(signal.SIGTERM)  # health turns NOT_SERVING; in-flight calls get the grace
         wait_until(lambda: _draining(draining), "the draining worker's health to leave SERVING")
-        # The gateway reads that at its next poll, and nothing it exposes (metrics, an RPC) says when it has:
-        # three poll intervals, so that a poll started and finished since. The one sleep here, for want of an event.
-        time.sleep(3 * poll_s)
+        # ... and the gateway has read that at a poll: it routes to one decode worker
+        wait_until(lambda: scrape(cluster.gateway.metrics).get("pdserve_serving_decode_workers") == 1,
+                   "the gateway to count one serving decode worker")
         # 2. New requests go to the other worker at once, not to the draining one and then retried.
         for _ in range(4):
             completion = generate(address, timeout=60, prompt="Hi", max_tokens=4)
