@@ -30,11 +30,12 @@ import grpc
 
 from bench.report import add_output_args, publish
 from bench.scenarios import percentile
-from model_runner.loading import DEFAULT_MODEL, resolve_model
+from model_runner.loading import resolve_model
 from pdserve.cluster import Cluster, ClusterConfig, Service, spawn_service, start, stop_all, wait_healthy, wait_ready
 from pdserve.faults import FaultProxy
 from protos import gateway_pb2, gateway_pb2_grpc
 from serving.metrics import scrape
+from serving.models import DEFAULT_MODEL
 
 LIVE = ("pdserve_live_requests", "pdserve_live_prefills", "pdserve_queued_tokens", "pdserve_live_reservations",
         "pdserve_live_sequences", "pdserve_live_kv_bytes", "pdserve_live_buffer_bytes")

@@ -19,8 +19,9 @@ import torch
 
 from bench.report import add_output_args, publish
 from model_runner import forward
-from model_runner.loading import DEFAULT_MODEL, LoadedModel, ModelConfig
+from model_runner.loading import LoadedModel, ModelConfig
 from model_runner.paged_cache import BLOCK_SIZE, PagedKVCache
+from serving.models import DEFAULT_MODEL
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:

@@ -30,9 +30,10 @@ import grpc
 from bench.report import add_output_args, publish
 from bench.scenarios import percentile
 from bench.soak import KINDS, SERVED, Facts, Load, drain, model_context, stderr_to
-from model_runner.loading import DEFAULT_MODEL, resolve_model
+from model_runner.loading import resolve_model
 from pdserve.cluster import ClusterConfig, start
 from protos import decode_pb2_grpc, gateway_pb2, worker_pb2
+from serving.models import DEFAULT_MODEL
 
 TARGET_RATIO = 1.3  # issue 21: the bystander's ITL p99 beside the corpus, over its p99 alone
 HOSTILE = sorted(name for name, kind in KINDS.items() if not kind.weight)

@@ -56,11 +56,12 @@ from kv_wire import codec
 from kv_wire.layout import DEFAULT_CHUNK_BYTES, KVLayout
 from kv_wire.segments import SegmentMaps
 from kv_wire.sender import Item, KVSender, encode_stream
-from model_runner.loading import DEFAULT_MODEL, DTYPES, resolve_model
+from model_runner.loading import DTYPES, resolve_model
 from pdserve.cluster import Service, spawn_service, stop_all, wait_ready
 from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, worker_pb2
 from protos import kv_transfer_pb2 as pb
 from serving import memory
+from serving.models import DEFAULT_MODEL
 from serving.server import MESSAGE_LIMITS
 
 TOKENS = (512, 2048, 8000)

@@ -21,7 +21,8 @@ from transformers import DynamicCache
 
 from bench.report import add_output_args, publish
 from model_runner.forward import prefill_pass
-from model_runner.loading import DEFAULT_MODEL, LoadedModel, ModelConfig
+from model_runner.loading import LoadedModel, ModelConfig
+from serving.models import DEFAULT_MODEL
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:

@@ -23,10 +23,11 @@ import numpy as np
 
 from bench.report import add_output_args, publish
 from bench.scenarios import percentile
-from model_runner.loading import DEFAULT_MODEL, resolve_model
+from model_runner.loading import resolve_model
 from pdserve.client import generate
 from pdserve.cluster import ClusterConfig, start
 from serving.metrics import scrape
+from serving.models import DEFAULT_MODEL
 
 MODES = ("off", "on")
 

@@ -28,9 +28,10 @@ import grpc
 import numpy as np
 
 from bench.report import add_output_args, publish
-from model_runner.loading import DEFAULT_MODEL, resolve_model
+from model_runner.loading import resolve_model
 from pdserve.cluster import Cluster, ClusterConfig, start
 from protos import gateway_pb2, gateway_pb2_grpc
+from serving.models import DEFAULT_MODEL
 
 MODES = ("colocated", "disaggregated")
 

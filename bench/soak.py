@@ -49,10 +49,11 @@ import grpc
 
 from bench.report import add_output_args, publish
 from bench.scenarios import percentile
-from model_runner.loading import DEFAULT_MODEL, resolve_model
+from model_runner.loading import resolve_model
 from pdserve.cluster import Cluster, ClusterConfig, Service, start
 from protos import decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2_grpc, worker_pb2
 from serving.metrics import scrape
+from serving.models import DEFAULT_MODEL
 
 RSS_GROWTH_LIMIT = 0.05  # issue 21: RSS grows by at most 5% after warm-up
 HOSTILE_SHARE = 0.3  # of the requests drawn; each is quick, so they take far less of the time

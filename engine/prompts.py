@@ -26,7 +26,8 @@ from engine.scheduler import PromptScheduler
 from model_runner.forward import LayerKV, WatchedCache, cached_layers, prefill_pass
 from model_runner.loading import LoadedModel
 from model_runner.prefix_cache import Block, PrefixCache, continuation
-from model_runner.sampling import SamplingParams, sample
+from model_runner.sampling import sample
+from protos.types import SamplingParams
 
 log = logging.getLogger(__name__)
 

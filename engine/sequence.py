@@ -6,7 +6,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from model_runner.sampling import SamplingParams
+from protos.types import SamplingParams
 
 # emit(new_token_ids, finish_reason): called from the engine thread; finish_reason "" while running, FAILED
 # when the engine could not continue the sequence.

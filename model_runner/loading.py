@@ -20,10 +20,7 @@ import torch
 
 from protos.types import DTYPE_BYTES, ModelSpec
 from serving import models
-from serving.models import DEFAULT_MODEL, cache_root
-
-__all__ = ["DEFAULT_MODEL", "DTYPES", "LoadedModel", "ModelConfig", "ModelSpec", "add_model_args", "cache_root",
-           "fingerprint", "load_model", "model_config", "resolve_model"]
+from serving.models import DEFAULT_MODEL
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,6 @@ from transformers import DynamicCache
 from model_runner.forward import LayerKV
 from protos.types import block_names  # the gateway names blocks the same way to route by prefix
 
-__all__ = ["Block", "PrefixCache", "block_names", "continuation"]
-
 
 @dataclass(eq=False)
 class Block:

@@ -10,7 +10,6 @@ _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads consecutive position
 # Temperatures below this are greedy, as in vLLM (its _SAMPLING_EPS): there a float32 softmax already gives exactly 0
 # to every token more than ~1e-3 behind the best one, and dividing by a denormal overflows to inf.
 SAMPLING_EPS = 1e-5
-__all__ = ["SAMPLING_EPS", "SamplingParams", "sample"]  # SamplingParams lives in protos/types.py
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:

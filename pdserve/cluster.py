@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from model_runner.loading import DEFAULT_MODEL, DTYPES, resolve_model
+from model_runner.loading import DTYPES, resolve_model
 from serving import tracing
 from serving.logs import LOG_FORMAT_ENV
+from serving.models import DEFAULT_MODEL
 from serving.tls import TLS
 from serving.tls import channel as tls_channel
 

@@ -19,10 +19,10 @@ import torch
 from engine.prompts import Prefilled, PromptJob
 from kv_wire.layout import KVLayout
 from kv_wire.sender import KVSender
-from model_runner.sampling import SamplingParams
 from pdserve.client import Completion, generate
 from pdserve.cluster import Cluster, ClusterConfig, Service, start
 from protos import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, prefill_pb2_grpc, worker_pb2
+from protos.types import SamplingParams
 from serving.metrics import scrape
 
 if TYPE_CHECKING:

@@ -14,7 +14,8 @@ from engine.sequence import Sequence
 from model_runner import forward
 from model_runner.loading import LoadedModel
 from model_runner.paged_cache import pieces_of
-from model_runner.sampling import SamplingParams, sample
+from model_runner.sampling import sample
+from protos.types import SamplingParams
 
 PROMPTS = [[1, 17, 4242, 99, 7], list(range(300, 340)), [504, 1095, 2208, 314, 3595, 28, 1090, 314, 260, 2632]]
 MAX_TOKENS = 12

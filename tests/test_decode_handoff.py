@@ -200,7 +200,7 @@ def test_a_request_cancelled_while_its_segment_is_being_made_gets_it_back(tiny_m
     from decode_service.reservations import DecodeParams
     from decode_service.server import DecodeConfig, DecodeServicer
     from model_runner.loading import ModelConfig
-    from model_runner.sampling import SamplingParams
+    from protos.types import SamplingParams
     from serving.server import ServerConfig
 
     config = DecodeConfig(server=ServerConfig(), model=ModelConfig(model=str(tiny_model_dir)), kv_warm_mb=0)

@@ -16,7 +16,8 @@ from engine.sequence import FAILED, Sequence
 from model_runner import forward
 from model_runner.loading import LoadedModel
 from model_runner.paged_cache import PagedKVCache, pieces_of
-from model_runner.sampling import SamplingParams, sample
+from model_runner.sampling import sample
+from protos.types import SamplingParams
 
 POISON = 7777  # a prompt that starts with this token gets NaN logits from the wrapped forward pass
 SAMPLED = SamplingParams(temperature=0.8, seed=3)  # NaN logits make multinomial raise

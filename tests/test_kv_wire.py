@@ -29,9 +29,9 @@ from kv_wire.layout import (
 from kv_wire.receiver import KVReceiver, ReceivedKV
 from kv_wire.segments import Segment, SegmentMaps, SegmentPool
 from kv_wire.sender import KVSender, encode_stream, host_bytes
-from model_runner.loading import ModelSpec
 from model_runner.paged_cache import BLOCK_SIZE, PagedKVCache
 from protos import kv_transfer_pb2 as pb
+from protos.types import ModelSpec
 
 SEGMENTS = SegmentPool(keep_bytes=64 << 20)
 TRANSPORTS = ["grpc", "shm"]

@@ -14,7 +14,7 @@ from engine.scheduler import PromptScheduler
 from model_runner import forward
 from model_runner.loading import LoadedModel
 from model_runner.prefix_cache import PrefixCache
-from model_runner.sampling import SamplingParams
+from protos.types import SamplingParams
 from tests.helpers import Recorder
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -17,9 +17,10 @@ from engine.core import EngineCore
 from engine.prompts import Abandoned, Prefilled
 from model_runner import forward
 from model_runner.loading import LoadedModel
-from model_runner.prefix_cache import PrefixCache, block_names
+from model_runner.prefix_cache import PrefixCache
 from pdserve.client import generate
 from pdserve.cluster import Cluster
+from protos.types import block_names
 from serving.metrics import scrape
 from tests.helpers import Recorder, assert_nothing_held, hf_greedy, start_cluster, wait_until, worker_info
 

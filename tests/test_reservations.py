@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from decode_service.reservations import CapacityExhausted, DecodeParams, ReservationTable
 from kv_wire.layout import KVTransferError
-from model_runner.sampling import SamplingParams
+from protos.types import SamplingParams
 
 BYTES_PER_TOKEN = 100
 

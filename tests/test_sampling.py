@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from model_runner.sampling import SAMPLING_EPS, SamplingParams, sample
+from model_runner.sampling import SAMPLING_EPS, sample
+from protos.types import SamplingParams
 
 LOGITS = torch.tensor([1.0, 3.0, 2.5, -1.0, -math.inf])  # token 1 is the best
 

@@ -16,7 +16,7 @@ import engine.prompts as prompts_module
 from engine.core import EngineCore
 from engine.prompts import Prefilled, PromptJob
 from model_runner.loading import ModelConfig
-from model_runner.sampling import SamplingParams
+from protos.types import SamplingParams
 from serving import server as serving
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING

@@ -26,10 +26,10 @@ from gateway.journey import GatewayError, NoDecodeCapacity, RetryPolicy, Timings
 from gateway.request import GenerateParams
 from gateway.server import GatewayServicer
 from gateway.workers import Pool, check_pairing, resolve
-from model_runner.sampling import SamplingParams
 from pdserve.client import generate, stream
 from pdserve.cluster import Cluster, Service
 from protos import decode_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2, worker_pb2
+from protos.types import SamplingParams
 from tests.helpers import POEM, assert_nothing_held, start_cluster
 
 # Fake workers. A script is the list of what a call's reads return in turn: an event, an exception to raise, or
