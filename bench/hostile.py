@@ -65,18 +65,15 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 class Corpus(Load):
     """Only the hostile kinds, each once per shuffled round; when each ran, to tell which one a stall came with."""
 
-    def __init__(self, *args: Any, kinds: list[str]) -> None:
-        super().__init__(*args)
-        self.kinds = kinds
+    def __init__(self, facts: Facts, channel: grpc.aio.Channel, session: aiohttp.ClientSession, seed: int,
+                 kinds: list[str]) -> None:
+        super().__init__(facts, channel, session, seed, hostile_kinds=kinds)
         self.spans: list[tuple[float, float, str]] = []  # (start, end, kind), perf_counter seconds
         self.arrivals: list[float] = []  # the bystander's responses while this corpus ran
         self.drawn = ""
 
     def draw(self, rng: random.Random) -> str:
-        if not self.hostile_turns:
-            self.hostile_turns = list(self.kinds)
-            self.order.shuffle(self.hostile_turns)
-        self.drawn = self.hostile_turns.pop()
+        self.drawn = self.next_hostile()
         return self.drawn
 
     async def one(self, rng: random.Random) -> None:

@@ -115,8 +115,11 @@ class Facts:
 class Load:
     """One soak's clients: a gRPC channel and an HTTP session shared by `concurrency` loops."""
 
-    def __init__(self, facts: Facts, channel: grpc.aio.Channel, session: aiohttp.ClientSession, seed: int) -> None:
+    def __init__(self, facts: Facts, channel: grpc.aio.Channel, session: aiohttp.ClientSession, seed: int,
+                 hostile_kinds: list[str] | None = None) -> None:
         self.facts, self.channel, self.session = facts, channel, session
+        self.hostile_kinds = sorted(name for name, kind in KINDS.items() if not kind.weight) \
+            if hostile_kinds is None else hostile_kinds
         self.order = random.Random(f"{seed}:hostile")  # the hostile kinds' turns: each once per shuffled round
         self.hostile_turns: list[str] = []
         self.stub = gateway_pb2_grpc.GatewayStub(channel)
@@ -136,10 +139,12 @@ class Load:
         weights = [KINDS[name].weight for name in ordinary]
         hostile = sum(weights) * HOSTILE_SHARE / (1 - HOSTILE_SHARE)
         name = rng.choices([*ordinary, ""], [*weights, hostile])[0]
-        if name:
-            return name
+        return name or self.next_hostile()
+
+    def next_hostile(self) -> str:
+        """The next of `hostile_kinds` in turn: each once per shuffled round."""
         if not self.hostile_turns:
-            self.hostile_turns = sorted(name for name, kind in KINDS.items() if not kind.weight)
+            self.hostile_turns = list(self.hostile_kinds)
             self.order.shuffle(self.hostile_turns)
         return self.hostile_turns.pop()
 
