@@ -49,7 +49,7 @@ from gateway.request import (
     parse_request,
 )
 from gateway.tokenizer import Tokenizer
-from gateway.workers import Keepalive, PairBreakers, Pool, check_pairing
+from gateway.workers import Colocation, Keepalive, PairBreakers, Pool, check_pairing
 from protos import gateway_pb2, gateway_pb2_grpc, worker_pb2
 from serving import logs, tracing
 from serving import server as serving
@@ -67,7 +67,8 @@ class GatewayConfig:
     decode: list[str] = field(default_factory=list)
     model: str = DEFAULT_MODEL  # for the tokenizer; must be the model the workers serve
     startup_timeout_s: float = 300.0
-    colocate_below: int = 0  # prompts shorter than this are prefilled by the decode worker itself
+    colocate_below: int = 0  # prompts shorter than this are prefilled by the decode worker itself...
+    colocate_queued: int = 256  # ...while the least loaded prefill worker holds this many prompt tokens (Colocation)
     retry: RetryPolicy = RetryPolicy()
     admission: AdmissionConfig = AdmissionConfig()
     poll_interval_s: float = 0.5  # how often each worker's health and load are read
@@ -82,8 +83,9 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not self.decode:
             raise ValueError("at least one --decode worker address is required")
-        if self.colocate_below < 0:
-            raise ValueError(f"--colocate-below {self.colocate_below}: must be >= 0")
+        if self.colocate_below < 0 or self.colocate_queued < 0:
+            raise ValueError(f"--colocate-below {self.colocate_below}, --colocate-queued {self.colocate_queued}: "
+                             "must be >= 0")
         if self.retry.max_retries < 0 or self.retry.max_migrations < 0 or self.retry.backoff_s < 0:
             raise ValueError("--max-retries, --max-migrations and --retry-backoff must be >= 0")
         if self.retry.idle_timeout_s is not None and self.retry.idle_timeout_s <= 0:
@@ -111,6 +113,7 @@ class GatewayConfig:
     def from_args(cls, args: argparse.Namespace) -> GatewayConfig:
         return cls(server=server_config(args), prefill=_split(args.prefill), decode=_split(args.decode),
                    model=args.model, startup_timeout_s=args.startup_timeout_s, colocate_below=args.colocate_below,
+                   colocate_queued=args.colocate_queued,
                    retry=RetryPolicy(max_retries=args.max_retries, max_migrations=args.max_migrations,
                                      backoff_s=args.retry_backoff_s, capacity_wait_s=args.queue_timeout_s,
                                      idle_timeout_s=args.idle_timeout_s or None),
@@ -134,6 +137,10 @@ class GatewayConfig:
         group.add_argument("--colocate-below", type=int, default=GatewayConfig.colocate_below, metavar="TOKENS",
                            help="prompts shorter than this go to a decode worker that prefills them itself "
                            "(conditional disaggregation; default: %(default)s, never)")
+        group.add_argument("--colocate-queued", type=int, default=GatewayConfig.colocate_queued, metavar="TOKENS",
+                           help="...but only while the least loaded prefill worker has at least this many prompt "
+                           "tokens queued or running: an idle prefill worker costs the decode batch nothing "
+                           "(default: %(default)s; 0: whenever they are short)")
         group.add_argument("--max-in-flight", type=int, default=AdmissionConfig.max_in_flight,
                            help="requests running at once; more wait in the queue (default: %(default)s)")
         group.add_argument("--max-queue", type=int, default=AdmissionConfig.max_queue,
@@ -203,7 +210,7 @@ def _split(values: list[str]) -> list[str]:
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, tokenizer: Any, model: worker_pb2.ModelInfo, prefill: Pool, decode: Pool,
-                 colocate_below: int, retry: RetryPolicy, admission: AdmissionConfig,
+                 colocation: Colocation, retry: RetryPolicy, admission: AdmissionConfig,
                  keys: ApiKeys | None = None) -> None:
         self.tokenizer = tokenizer
         self.keys = keys or ApiKeys()
@@ -211,7 +218,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.eos_token_ids = frozenset(model.eos_token_ids)
         self.prefill = prefill
         self.decode = decode
-        self.colocate_below = colocate_below
+        self.colocation = colocation
         self.retry = retry
         self.admission = Admission(admission)
         self.pairs = PairBreakers()
@@ -421,7 +428,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         first_at = 0.0
         finish = ""
         # aclosing: a stop string ends the loop early, and the journey must cancel its worker calls right then
-        colocated = not self.prefill.workers or len(params.prompt_ids) < self.colocate_below
+        colocated = self.colocation.applies(len(params.prompt_ids), self.prefill)
         journey_ = journey.run_with_failover(params, self.prefill, self.decode, timings, deadline, colocated,
                                              self.retry, self.pairs, self.eos_token_ids)
         async with contextlib.aclosing(journey_) as pieces:
@@ -468,7 +475,8 @@ async def serve(config: GatewayConfig) -> None:
     model = check_pairing(prefill, decode)
     tokenizer = await asyncio.to_thread(Tokenizer.from_dir, _tokenizer_dir(config.model))
     max_prompt_chars(tokenizer, model.max_model_len)  # its vocabulary scan holds the GIL ~20 ms: now, not in a request
-    servicer = GatewayServicer(tokenizer, model, prefill, decode, config.colocate_below, config.retry,
+    servicer = GatewayServicer(tokenizer, model, prefill, decode,
+                               Colocation(config.colocate_below, config.colocate_queued), config.retry,
                                config.admission, ApiKeys.load(config.api_key_file))
     http = OpenAIServer(servicer, config.served_model_name or _model_name(config.model), config.http_body_timeout_s,
                         config.http_deadline_s)

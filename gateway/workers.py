@@ -7,6 +7,7 @@ import collections
 import ipaddress
 import itertools
 import logging
+import math
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -185,6 +186,22 @@ def resolve(host: str, port: int) -> list[str]:
     return sorted({str(info[4][0]) for info in infos})
 
 
+@dataclass(frozen=True)
+class Colocation:
+    """Which prompts go to a decode worker that prefills them itself (conditional disaggregation): those shorter
+    than `below` tokens, and only while the prefill pool is busy, its least loaded worker holding at least `queued`
+    prompt tokens queued or running, or none of its workers serving. A short prompt then skips a queue behind a
+    document, and one sent while prefill is idle costs the decode batch nothing (docs/architecture.md)."""
+
+    below: int = 0  # 0: never (but for a gateway with no prefill workers)
+    queued: int = 0  # 0: every prompt under `below`
+
+    def applies(self, prompt_tokens: int, prefill: Pool) -> bool:
+        if not prefill.workers:
+            return True
+        return prompt_tokens < self.below and prefill.least_queued_tokens() >= self.queued
+
+
 class Pool:
     """Workers of one role, least loaded first (round robin among equals). A worker that drains (health
     NOT_SERVING) or whose breaker is open goes last: it is still tried when nothing else is left.
@@ -303,6 +320,13 @@ class Pool:
             ordered.remove(worker)
             ordered.insert(0, worker)
         self.prefixes.record(ordered[0].address, names(ordered[0]))
+
+    def least_queued_tokens(self) -> float:
+        """Prefill: the prompt tokens queued or running at the least loaded worker that serves with its breaker
+        closed (as Worker.load counts them); infinite when there is none."""
+        now = time.monotonic()
+        return min((w.load()[0] for w in self.workers if w.serving and not w.breaker.is_open(now)),
+                   default=math.inf)
 
     async def poll(self, every_s: float, resolve_every_s: float = 30.0) -> None:
         """Forever: each worker's health and load, every `every_s`, and the pool's names re-resolved every

@@ -68,12 +68,24 @@ def test_colocated_request_with_a_bad_prompt_is_invalid_argument(colocated: Clus
 
 
 def test_conditional_disaggregation_routes_by_prompt_length(tiny_model_dir: Path) -> None:
-    cluster = start_cluster(tiny_model_dir, prefill=1, decode=1, colocate_below=8)
+    # --colocate-queued=0: short prompts are colocated even while prefill is idle (test_worker_pools has the rule)
+    cluster = start_cluster(tiny_model_dir, prefill=1, decode=1, colocate_below=8,
+                            gateway_args=("--colocate-queued=0",))
     try:
         short = generate(cluster.gateway.address, timeout=60, prompt="Hi", max_tokens=4, temperature=0.0)
         long = generate(cluster.gateway.address, timeout=60, prompt=PROMPTS[2], max_tokens=4, temperature=0.0)
         assert short.usage.prompt_tokens < 8 and short.timing.kv_transport == "colocated"
         assert long.usage.prompt_tokens >= 8 and long.timing.kv_transport == "shm"
+        assert_nothing_held(cluster)
+    finally:
+        cluster.stop()
+
+
+def test_a_short_prompt_goes_to_an_idle_prefill_worker_by_default(tiny_model_dir: Path) -> None:
+    cluster = start_cluster(tiny_model_dir, prefill=1, decode=1, colocate_below=512)
+    try:
+        short = generate(cluster.gateway.address, timeout=60, prompt="Hi", max_tokens=4, temperature=0.0)
+        assert short.usage.prompt_tokens < 512 and short.timing.kv_transport == "shm"
         assert_nothing_held(cluster)
     finally:
         cluster.stop()

@@ -25,7 +25,7 @@ from gateway.admission import AdmissionConfig
 from gateway.journey import GatewayError, NoDecodeCapacity, RetryPolicy, Timings, Tokens
 from gateway.request import GenerateParams
 from gateway.server import GatewayServicer
-from gateway.workers import Pool, check_pairing, resolve
+from gateway.workers import Colocation, Pool, check_pairing, resolve
 from pdserve.client import generate, stream
 from pdserve.cluster import Cluster, Service
 from protos import decode_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2, worker_pb2
@@ -307,7 +307,7 @@ async def _gateway(cluster: Cluster, model_dir: Path, decode_names: list[str] | 
     decode = Pool("decode", decode_names or [service.address for service in cluster.decode],
                   resolver=resolver or resolve)
     await asyncio.gather(prefill.fetch_info(30), decode.fetch_info(30))
-    servicer = GatewayServicer(tokenizer, check_pairing(prefill, decode), prefill, decode, 0, RetryPolicy(),
+    servicer = GatewayServicer(tokenizer, check_pairing(prefill, decode), prefill, decode, Colocation(), RetryPolicy(),
                                AdmissionConfig())
     polls = [asyncio.ensure_future(pool.poll(0.1, resolve_every_s=1e9)) for pool in (prefill, decode)]
     server = grpc.aio.server(options=server_options)

@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.workers import PairBreakers, Pool
+from gateway.workers import Colocation, PairBreakers, Pool
 from pdserve.client import generate, stream
 from pdserve.cluster import Service, spawn_service, stop_all, wait_ready
 from protos import worker_pb2
@@ -47,6 +47,29 @@ def test_draining_failed_and_avoided_workers_go_last() -> None:
         assert [w.address[-1] for w in order] == ["2", "0", "1", "3"]
         busy.succeeded()
         assert busy.suspect_until == 0 and busy.failures == 0
+        await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_short_prompt_is_colocated_only_while_prefill_is_busy() -> None:
+    async def scenario() -> None:
+        pool = Pool("prefill", ["127.0.0.1:9000", "127.0.0.1:9001"])
+        busy, idle = pool.workers
+        busy.info = worker_pb2.WorkerInfo(role="prefill", queued_tokens=3000)
+        idle.info = worker_pb2.WorkerInfo(role="prefill", queued_tokens=100)
+        rule = Colocation(below=512, queued=256)
+        # the least loaded worker has 100 tokens to go: a short prompt is better served there
+        assert not rule.applies(40, pool)
+        idle.prefilling_tokens = 400  # this gateway's own prompts in flight there, fresher than the last poll
+        assert rule.applies(40, pool) and not rule.applies(512, pool)
+        idle.serving = False  # draining: the busy one is the only choice left
+        assert rule.applies(40, pool)
+        busy.failed()  # and its breaker is open: no prefill worker to wait for
+        assert pool.least_queued_tokens() == float("inf") and rule.applies(40, pool)
+        assert Colocation(below=512, queued=0).applies(40, Pool("prefill", ["127.0.0.1:9002"]))
+        assert Colocation(below=0).applies(10**6, Pool("prefill", []))  # no prefill workers: every prompt
+        assert not Colocation(below=0).applies(1, pool)
         await pool.close()
 
     asyncio.run(scenario())
