@@ -83,7 +83,8 @@ def _add_cluster(commands: argparse._SubParsersAction) -> None:
     cluster.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: cores / workers)")
     cluster.add_argument("--colocate-below", type=int, default=512, metavar="TOKENS",
                          help="prompts shorter than this are prefilled by a decode worker itself, in chunks of 32 "
-                         "tokens between decode steps (default: %(default)s; 0: never)")
+                         "tokens between decode steps, while the prefill worker is busy (the gateway's "
+                         "--colocate-queued) (default: %(default)s; 0: never)")
     cluster.add_argument("--no-pin", action="store_false", dest="pin",
                          help="do not give each worker its own cores (by default they are pinned when there are "
                          "enough: workers x threads <= cores)")

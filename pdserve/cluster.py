@@ -46,8 +46,9 @@ class ClusterConfig:
     startup_timeout_s: float = 300.0
     pin: bool = True  # give each worker its own cores when there are enough (prefill never steals decode's)
     # The gateway sends prompts shorter than this to decode workers that prefill them, in chunks of
-    # COLOCATED_CHUNK between decode steps: a chat prompt then neither waits behind a document on the prefill
-    # worker nor stalls the decode batch for long (`pdserve bench serve`, README "Against other servers").
+    # COLOCATED_CHUNK between decode steps, while the prefill worker is busy (the gateway's --colocate-queued): a
+    # chat prompt then neither waits behind a document on the prefill worker nor stalls the decode batch for long
+    # (`pdserve bench serve`, README "Against other servers").
     colocate_below: int = 512
     trace_dir: str = ""  # every process appends its spans here (OTLP JSON lines) for `pdserve trace`
     log_format: str = ""  # "json": every process logs JSON lines (trace and request ids on request lines)
