@@ -5,6 +5,12 @@ A decode step must read every weight once and each sequence's whole KV cache; on
 over a paged KV cache) at a batch of sequences with `--context` tokens each, and measures the read bandwidth
 of the same threads in the same run (a sum over a buffer far larger than the caches). Each --dtype given is
 measured in turn; the first is the headline (`step_ms`, `floor_ms` in --json).
+
+A step must also do its arithmetic: two flops per weight per sequence, and four per cached element of every q
+head's keys and values. Over the matmul rate these threads reach (the better of a large float32 and bfloat16
+matmul, measured in the same run), that is the compute floor (`compute_floor_ms`). Where it is above the memory
+floor the step cannot reach the memory floor on this CPU: on one AVX2 core without bfloat16 dot-product
+instructions, a bfloat16 step at batch 8 is bound by its arithmetic, not by its reads.
 """
 
 from __future__ import annotations
@@ -39,16 +45,17 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     read_gbps = read_bandwidth()
+    matmul_gflops = max(matmul_rate(torch.float32), matmul_rate(torch.bfloat16))
     variants = []
     for name in args.runner.split(","):
         for dtype in args.dtype.split(","):
             runner = ModelConfig(model=args.model, dtype=dtype, threads=args.threads, runner=name).load()
-            variants.append(_measure(runner, args, read_gbps))
+            variants.append(_measure(runner, args, read_gbps, matmul_gflops))
             del runner
             print(f"bench decode: {name} {dtype} done", file=sys.stderr, flush=True)
     head = variants[0]
     result = {"step_ms": head["step_ms"], "floor_ms": head["floor_ms"], "batch": args.batch, "context": args.context,
-              "threads": args.threads, "read_gbps": read_gbps, "variants": variants}
+              "threads": args.threads, "read_gbps": read_gbps, "matmul_gflops": matmul_gflops, "variants": variants}
     return publish(args, "decode", result, lambda: _table(result))
 
 
@@ -63,7 +70,19 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     return nbytes / best / 1e9
 
 
-def _measure(runner: LoadedModel, args: argparse.Namespace, read_gbps: float) -> dict[str, Any]:
+def matmul_rate(dtype: torch.dtype, n: int = 1536, repeats: int = 3) -> float:
+    """GFLOP/s of this process's torch threads on an n x n matmul in `dtype`: the best of `repeats`."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    torch.mm(a, b)  # warm-up: packing buffers, the kernel's first call
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - started)
+    return 2 * n**3 / best / 1e9
+
+
+def _measure(runner: LoadedModel, args: argparse.Namespace, read_gbps: float, matmul_gflops: float) -> dict[str, Any]:
     spec = runner.spec
     tokens_each = args.context + args.steps + 8
     cache = PagedKVCache(spec.num_layers, args.batch * -(-tokens_each // BLOCK_SIZE), spec.num_kv_heads, spec.head_dim,
@@ -89,18 +108,25 @@ def _measure(runner: LoadedModel, args: argparse.Namespace, read_gbps: float) ->
     kv_bytes = args.batch * (args.context + args.steps // 2) * spec.kv_bytes_per_token  # the mean step's reads
     step_ms = statistics.median(times) * 1e3
     floor_ms = (weight_bytes + kv_bytes) / (read_gbps * 1e9) * 1e3
+    # every weight multiplies every sequence's token; each q head's scores and weighted sum over its cached rows
+    q_per_kv = runner.fast.num_heads // runner.fast.num_kv_heads if runner.fast is not None else 1
+    flops = 2 * weight_bytes / runner.dtype.itemsize * args.batch + 2 * q_per_kv * kv_bytes / runner.dtype.itemsize
+    compute_floor_ms = flops / (matmul_gflops * 1e9) * 1e3
     return {"dtype": spec.dtype, "runner": runner.runner_name, "step_ms": step_ms, "floor_ms": floor_ms,
-            "step_over_floor": step_ms / floor_ms, "weight_bytes": weight_bytes, "kv_bytes_per_step": kv_bytes,
+            "step_over_floor": step_ms / floor_ms, "compute_floor_ms": compute_floor_ms,
+            "step_over_compute_floor": step_ms / compute_floor_ms, "gflop_per_step": flops / 1e9,
+            "weight_bytes": weight_bytes, "kv_bytes_per_step": kv_bytes,
             "tokens_per_s": args.batch / step_ms * 1e3, "step_ms_samples": [t * 1e3 for t in times]}
 
 
 def _table(result: dict[str, Any]) -> str:
     lines = [f"Decode step at batch {result['batch']}, {result['context']} cached tokens each, {result['threads']} "
-             f"thread(s); read bandwidth {result['read_gbps']:.1f} GB/s",
-             f"{'runner':>6} {'dtype':>9} {'step ms':>8} {'floor ms':>9} {'step/floor':>10} {'tok/s':>7} "
-             f"{'weights MB':>10} {'KV MB':>6}"]
+             f"thread(s); read bandwidth {result['read_gbps']:.1f} GB/s, matmul {result['matmul_gflops']:.0f} GFLOP/s",
+             f"{'runner':>6} {'dtype':>9} {'step ms':>8} {'floor ms':>9} {'step/floor':>10} {'compute floor':>13} "
+             f"{'step/compute':>12} {'tok/s':>7} {'weights MB':>10} {'KV MB':>6}"]
     for v in result["variants"]:
         lines.append(f"{v['runner']:>6} {v['dtype']:>9} {v['step_ms']:>8.1f} {v['floor_ms']:>9.1f} "
-                     f"{v['step_over_floor']:>9.2f}x "
+                     f"{v['step_over_floor']:>9.2f}x {v['compute_floor_ms']:>13.1f} "
+                     f"{v['step_over_compute_floor']:>11.2f}x "
                      f"{v['tokens_per_s']:>7.1f} {v['weight_bytes'] / 1e6:>10.0f} {v['kv_bytes_per_step'] / 1e6:>6.0f}")
     return "\n".join(lines)

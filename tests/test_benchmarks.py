@@ -42,6 +42,10 @@ def test_bench_decode_reports_step_and_floor(tiny_model_dir: Path, tmp_path: Pat
     result = _bench("decode", "--model", str(tiny_model_dir), "--batch", "2", "--context", "16", "--steps", "2",
                     "--dtype", "float32", "--out", str(tmp_path))
     assert result["step_ms"] > 0 and result["floor_ms"] > 0 and result["batch"] == 2
+    assert [v["runner"] for v in result["variants"]] == ["fast", "hf"] and result["matmul_gflops"] > 0
+    for variant in result["variants"]:  # two flops per float32 weight per sequence, and some for attention
+        assert variant["gflop_per_step"] * 1e9 > 2 * 2 * variant["weight_bytes"] / 4
+        assert variant["compute_floor_ms"] == pytest.approx(variant["gflop_per_step"] / result["matmul_gflops"] * 1e3)
     assert (tmp_path / "decode.json").exists()
 
 
