@@ -71,11 +71,13 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 
 
 def matmul_rate(dtype: torch.dtype, n: int = 1536, repeats: int = 3) -> float:
-    """GFLOP/s of this process's torch threads on an n x n matmul in `dtype`: the best of `repeats`."""
+    """GFLOP/s of this process's torch threads on an n x n matmul in `dtype`: the best of `repeats`, or of the
+    first call alone if it took over a second (bfloat16 on a CPU without its instructions: ~1 GFLOP/s)."""
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    torch.mm(a, b)  # warm-up: packing buffers, the kernel's first call
-    best = float("inf")
-    for _ in range(repeats):
+    started = time.perf_counter()
+    torch.mm(a, b)  # also the warm-up: packing buffers, the kernel's first call
+    best = time.perf_counter() - started
+    for _ in range(repeats if best < 1 else 0):
         started = time.perf_counter()
         torch.mm(a, b)
         best = min(best, time.perf_counter() - started)
