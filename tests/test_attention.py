@@ -233,3 +233,30 @@ def test_rope_and_store_and_rms_norm_kernels_match_torch(dtype: torch.dtype) -> 
                                                                                   1e-5).to(dtype), **tolerance)
     # a row's result does not depend on the rows beside it
     assert torch.equal(kernel.rms_norm(x, weight, 1e-5)[2:3], kernel.rms_norm(x[2:3], weight, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim"), [(5, 1, 8), (10, 2, 16), (16, 2, 24), (7, 7, 64)])
+def test_odd_blocks_and_strided_caches(path: str, dtype: torch.dtype, q_heads: int, kv_heads: int,
+                                       head_dim: int) -> None:
+    """Blocks of 5 tokens, small head dims, groups of 1 to 8, and caches whose tokens and heads are strided (the
+    heads of a bigger cache): against the reference, and each sequence the same bits alone as in the batch."""
+    gen = torch.Generator().manual_seed(6)
+    block, lengths = 5, [0, 1, 7, 8, 9, 41]
+    per_seq = [-(-n // block) for n in lengths]
+    num_blocks = sum(per_seq) + 3
+    cache = torch.randn(2, num_blocks, block, kv_heads + 2, head_dim + 8, generator=gen).to(dtype)
+    key_cache, value_cache = cache[0, :, :, 1:kv_heads + 1, :head_dim], cache[1, :, :, 1:kv_heads + 1, 8:]
+    ids = torch.randperm(num_blocks, generator=gen, dtype=torch.int32)
+    tables = torch.zeros(len(lengths), max(per_seq), dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(per_seq):
+        tables[b, :n] = ids[start:start + n]
+        start += n
+    q = torch.randn(len(lengths), q_heads, head_dim, generator=gen).to(dtype)
+    case = Case(q, key_cache, value_cache, tables, torch.tensor(lengths, dtype=torch.int32), head_dim**-0.5)
+    out = paged_decode_attention(*case.args())
+    torch.testing.assert_close(out.float(), reference_decode_attention(*case.args()).float(),
+                               atol=TOLERANCE[dtype], rtol=0)
+    for b in range(len(lengths)):
+        assert torch.equal(paged_decode_attention(*subset(case, [b]).args())[0], out[b])

@@ -7,8 +7,8 @@
 // float32, then sums the values with those weights in float32. A head's arithmetic is the same in any task,
 // so a sequence's output is the same bits in any batch and at any thread count.
 //
-// CPUs with AVX2 and FMA but no AVX-512 run attend_avx2: the portable path's order of work in 8-lane vectors,
-// with a vectorised exp.
+// CPUs with AVX2 and FMA but no AVX-512 run attend_avx2: the AVX-512 path's order of work and prefetching in
+// 8-lane vectors.
 //
 // The vector code is compiled by function attribute and chosen at run time, so the one cached build runs on any
 // x86-64 CPU: others (and other architectures) run the portable loops.
@@ -329,10 +329,10 @@ PDS_AVX512 void weigh_span(const Span<T>& sp, const float* weights, int64_t padd
 // blocks: the value pass's first while the key pass ends, the next task's first keys while the value pass
 // ends, so the stream of misses does not stop between passes.
 template <typename T>
-Span<T> span_of(const Pass<T>& pass, const Pass<T>& next, int64_t j, int64_t h) {
+Span<T> span_of(const Pass<T>& pass, const Pass<T>& next, int64_t j, int64_t h, int64_t blocks_ahead = kAhead) {
   Span<T> sp{pass.block_rows(j) + h * pass.head_stride, pass.token_stride, j * pass.block_size, pass.count(j),
              nullptr, 0, 0};
-  const int64_t ahead = j + kAhead, own = pass.blocks();
+  const int64_t ahead = j + blocks_ahead, own = pass.blocks();
   const Pass<T>& target = ahead < own ? pass : next;
   const int64_t k = ahead < own ? ahead : ahead - own;
   if (k < target.blocks() && h < target.heads) {
@@ -417,93 +417,200 @@ void attend_avx512(const Args<T>& a, int64_t b, int64_t kv0, int64_t kv1, const 
 
 #if PDS_HAVE_AVX512
 // ---------------------------------------------------------------------------------------------------------
-// AVX2 path, for D a multiple of 8: one kv head at a time, as the portable path, in 8-lane float32 vectors.
+// AVX2 path, for D a multiple of 8: attend_avx512's order of work (block by block, kv head by kv head, with the
+// same prefetching) in 8-lane float32 vectors, 16 ymm registers. The dot products of each q head with 8 keys
+// are summed at once by sum_each8; the values are summed a token at a time for up to 3 q heads and 32 dims,
+// so a bfloat16 value row is widened once per 3 heads rather than once per head.
 
-// Scores of GN q heads (q: (GN, D) float32) against one key: GN independent chains of FMAs over the key,
-// read once for all of them. A head's arithmetic is the same whichever heads come with it.
-template <typename T, int GN>
-PDS_AVX2 inline void score_key(const float* q, const T* k, int64_t D, float scale, float* out, int64_t stride) {
-  __m256 acc[GN];
-  for (int g = 0; g < GN; ++g) acc[g] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < D; i += 8) {
-    const __m256 kv = load8(k + i);
-    for (int g = 0; g < GN; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + i), kv, acc[g]);
-  }
-  for (int g = 0; g < GN; ++g) out[g * stride] = hsum8(acc[g]) * scale;
-}
+constexpr int kAhead2 = 2;  // attend_avx2's blocks between a row's prefetch and its use (1 to 8 measure alike)
 
 template <typename T>
-PDS_AVX2 void attend_avx2(const Args<T>& a, int64_t b, int64_t kvh, Scratch& s) {
-  const int64_t length = a.context_lens[b], G = a.group, D = a.d;
-  T* out = a.out + (b * a.hq + kvh * G) * D;
+PDS_AVX2 inline void prefetch_row8(const T* p, int64_t d) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < d * static_cast<int64_t>(sizeof(T)); i += 64) _mm_prefetch(bytes + i, kHint);
+}
+
+// The lane sums of v[0..7], v[i]'s in lane i: a transpose-and-add tree, 9 shuffles and adds where 8 separate
+// horizontal sums take ~40.
+PDS_AVX2 inline __m256 sum_each8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));  // v[0..3]'s halves
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// Where a run of q heads' scores go, as ScoreSink with 8-lane vectors: stage (HC, 8) dot products not yet
+// summed; scores (HC, padded), padded = length rounded up to 8.
+struct ScoreSink8 {
+  __m256* stage;
+  float* scores;
+  int64_t padded, length;
+  float scale;
+};
+
+// Stages the dot products of HC q heads with the key at pos; at every 8th key (and the last) sums the 8 keys'
+// into scores, zeros standing in for keys past the length.
+template <int HC>
+PDS_AVX2 inline void stage_key(const ScoreSink8& sink, int64_t pos, const __m256* acc) {
+  for (int g = 0; g < HC; ++g) sink.stage[g * 8 + (pos & 7)] = acc[g];
+  if ((pos & 7) == 7 || pos + 1 == sink.length) {
+    for (int64_t r = (pos & 7) + 1; r < 8; ++r)
+      for (int g = 0; g < HC; ++g) sink.stage[g * 8 + r] = _mm256_setzero_ps();
+    for (int g = 0; g < HC; ++g)
+      _mm256_storeu_ps(sink.scores + g * sink.padded + (pos & ~int64_t{7}),
+                       _mm256_mul_ps(sum_each8(sink.stage + g * 8), _mm256_set1_ps(sink.scale)));
+  }
+}
+
+// Dot products of HC q heads (qf: (HC, D) float32) with the keys of one span, two keys at a time so that each
+// load of q serves both (a key's arithmetic is the same alone or paired): 2 HC sums, two keys' vectors and q's
+// in registers.
+// Not inlined (nor weigh_span8): inlined into attend_avx2, every variant at once, GCC spilled their registers
+// and the step took 1.6x as long.
+template <typename T, int HC>
+PDS_AVX2 __attribute__((noinline)) void score_span8(const float* qf, int64_t D, const Span<T>& sp,
+                                                    const ScoreSink8& sink) {
+  int64_t t = 0;
+  for (; t + 1 < sp.count; t += 2) {
+    if (t < sp.ahead_count) prefetch_row8(sp.ahead + t * sp.ahead_stride, D);
+    if (t + 1 < sp.ahead_count) prefetch_row8(sp.ahead + (t + 1) * sp.ahead_stride, D);
+    const T* k0 = sp.rows + t * sp.stride;
+    const T* k1 = k0 + sp.stride;
+    __m256 acc0[HC], acc1[HC];
+    for (int g = 0; g < HC; ++g) acc0[g] = acc1[g] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < D; i += 8) {
+      const __m256 kv0 = load8(k0 + i), kv1 = load8(k1 + i);
+      for (int g = 0; g < HC; ++g) {
+        const __m256 qv = _mm256_loadu_ps(qf + g * D + i);
+        acc0[g] = _mm256_fmadd_ps(qv, kv0, acc0[g]);
+        acc1[g] = _mm256_fmadd_ps(qv, kv1, acc1[g]);
+      }
+    }
+    stage_key<HC>(sink, sp.pos0 + t, acc0);
+    stage_key<HC>(sink, sp.pos0 + t + 1, acc1);
+  }
+  if (t < sp.count) {
+    if (t < sp.ahead_count) prefetch_row8(sp.ahead + t * sp.ahead_stride, D);
+    const T* k = sp.rows + t * sp.stride;
+    __m256 acc[HC];
+    for (int g = 0; g < HC; ++g) acc[g] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < D; i += 8) {
+      const __m256 kv = load8(k + i);
+      for (int g = 0; g < HC; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + i), kv, acc[g]);
+    }
+    stage_key<HC>(sink, sp.pos0 + t, acc);
+  }
+}
+
+// Scores to softmax weights in place, max-subtracted; returns 1 / their sum. The lanes past length get 0.
+PDS_AVX2 float softmax8(float* scores, int64_t length, int64_t padded) {
+  for (int64_t i = length; i < padded; ++i) scores[i] = -std::numeric_limits<float>::infinity();
+  __m256 max = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < padded; i += 8) max = _mm256_max_ps(max, _mm256_loadu_ps(scores + i));
+  const __m256 m = _mm256_set1_ps(hmax8(max));
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t i = 0; i < padded; i += 8) {
+    __m256 p = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(scores + i), m));
+    if (i + 8 == padded)  // lanes past length: weight 0
+      p = _mm256_and_ps(p, _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                               _mm256_set1_epi32(static_cast<int32_t>(length - i)),
+                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))));
+    _mm256_storeu_ps(scores + i, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  return 1.f / hsum8(sum);
+}
+
+// acc (HC, D) += weights (HC, padded) * the values of one span, W vectors of dims at a time (HC * W sums, HC
+// weights and the widened chunk in registers). Only the first pass over the span prefetches.
+template <typename T, int HC, int W>
+PDS_AVX2 __attribute__((noinline)) void weigh_span8(int64_t D, const Span<T>& sp, const float* weights,
+                                                    int64_t padded, float* acc_out) {
+  for (int64_t d0 = 0; d0 < D; d0 += 8 * W) {
+    const int nv = static_cast<int>(std::min<int64_t>(W, (D - d0) / 8));
+    __m256 acc[HC][W];
+    for (int g = 0; g < HC; ++g)
+      for (int c = 0; c < W; ++c)
+        if (c < nv) acc[g][c] = _mm256_loadu_ps(acc_out + g * D + d0 + 8 * c);
+    for (int64_t t = 0; t < sp.count; ++t) {
+      if (d0 == 0 && t < sp.ahead_count) prefetch_row8(sp.ahead + t * sp.ahead_stride, D);
+      const T* v = sp.rows + t * sp.stride + d0;
+      __m256 p[HC];
+      for (int g = 0; g < HC; ++g) p[g] = _mm256_broadcast_ss(weights + g * padded + sp.pos0 + t);
+      for (int c = 0; c < W; ++c) {
+        if (c >= nv) break;
+        const __m256 vc = load8(v + 8 * c);
+        for (int g = 0; g < HC; ++g) acc[g][c] = _mm256_fmadd_ps(p[g], vc, acc[g][c]);
+      }
+    }
+    for (int g = 0; g < HC; ++g)
+      for (int c = 0; c < W; ++c)
+        if (c < nv) _mm256_storeu_ps(acc_out + g * D + d0 + 8 * c, acc[g][c]);
+  }
+}
+
+// Attention for kv heads kv0..kv1-1 of sequence b; next is the key pass the thread runs after this task's.
+template <typename T>
+PDS_AVX2 void attend_avx2(const Args<T>& a, int64_t b, int64_t kv0, int64_t kv1, const Pass<T>& next,
+                          Scratch& s) {
+  const int64_t length = a.context_lens[b], G = a.group, D = a.d, heads = kv1 - kv0, rows = heads * G;
+  T* out = a.out + (b * a.hq + kv0 * G) * D;  // (rows, D)
   if (length == 0) {
-    for (int64_t i = 0; i < G * D; ++i) store_f32(0.f, out + i);
+    for (int64_t i = 0; i < rows * D; ++i) store_f32(0.f, out + i);
     return;
   }
   const int64_t padded = (length + 7) / 8 * 8;
-  s.q.resize(G * D);
-  s.scores.resize(G * padded);  // (G, padded)
-  s.acc.assign(G * D, 0.f);
-  s.inv_sum.resize(G);
-  const T* q = a.q + (b * a.hq + kvh * G) * D;
-  for (int64_t i = 0; i < G * D; ++i) s.q[i] = to_f32(q[i]);
-  const Pass<T> keys = key_pass(a, b, kvh, kvh + 1), values = value_pass(a, b, kvh, kvh + 1);
+  s.q.resize(rows * D);
+  s.scores.resize(rows * padded);  // (rows, padded)
+  s.stage.resize(rows * 8 * 8 + 8);  // (rows, 8) vectors, 32-byte aligned
+  s.acc.assign(rows * D, 0.f);
+  s.inv_sum.resize(rows);
+  __m256* stage = reinterpret_cast<__m256*>((reinterpret_cast<uintptr_t>(s.stage.data()) + 31) & ~uintptr_t{31});
+  const T* q = a.q + (b * a.hq + kv0 * G) * D;
+  for (int64_t i = 0; i < rows * D; ++i) s.q[i] = to_f32(q[i]);
+
+  // A group's q heads in as few calls as the registers allow, of even sizes: up to 6 per call for the dot
+  // products, 3 for the values.
+  const int64_t score_calls = (G + 5) / 6, score_per = (G + score_calls - 1) / score_calls;
+  const int64_t value_calls = (G + 2) / 3, value_per = (G + value_calls - 1) / value_calls;
+  const Pass<T> keys = key_pass(a, b, kv0, kv1), values = value_pass(a, b, kv0, kv1);
   for (int64_t j = 0; j < keys.blocks(); ++j) {
-    for (int64_t t = 0; t < keys.count(j); ++t) {
-      const T* k = keys.block_rows(j) + t * keys.token_stride;
-      const int64_t pos = j * keys.block_size + t;
-      for (int64_t g = 0; g < G;) {  // up to 4 heads per pass over the key
-        const float* qg = s.q.data() + g * D;
-        float* sg = s.scores.data() + g * padded + pos;
-        switch (std::min<int64_t>(G - g, 4)) {
-          case 1: score_key<T, 1>(qg, k, D, a.scale, sg, padded), g += 1; break;
-          case 2: score_key<T, 2>(qg, k, D, a.scale, sg, padded), g += 2; break;
-          case 3: score_key<T, 3>(qg, k, D, a.scale, sg, padded), g += 3; break;
-          default: score_key<T, 4>(qg, k, D, a.scale, sg, padded), g += 4; break;
+    for (int64_t h = 0; h < heads; ++h) {
+      Span<T> sp = span_of(keys, values, j, h, kAhead2);
+      for (int64_t g0 = 0; g0 < G; g0 += score_per) {
+        const int64_t r = h * G + g0;
+        const ScoreSink8 sink{stage + r * 8, s.scores.data() + r * padded, padded, length, a.scale};
+        const float* qf = s.q.data() + r * D;
+        switch (std::min(score_per, G - g0)) {
+          case 1: score_span8<T, 1>(qf, D, sp, sink); break;
+          case 2: score_span8<T, 2>(qf, D, sp, sink); break;
+          case 3: score_span8<T, 3>(qf, D, sp, sink); break;
+          case 4: score_span8<T, 4>(qf, D, sp, sink); break;
+          case 5: score_span8<T, 5>(qf, D, sp, sink); break;
+          default: score_span8<T, 6>(qf, D, sp, sink); break;
         }
+        sp.ahead_count = 0;  // the group's first call has prefetched
       }
     }
   }
-  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = s.scores.data() + g * padded;
-    for (int64_t i = length; i < padded; ++i) sg[i] = -std::numeric_limits<float>::infinity();
-    __m256 max = neg_inf;
-    for (int64_t i = 0; i < padded; i += 8) max = _mm256_max_ps(max, _mm256_loadu_ps(sg + i));
-    const __m256 m = _mm256_set1_ps(hmax8(max));
-    __m256 sum = _mm256_setzero_ps();
-    for (int64_t i = 0; i < padded; i += 8) {
-      __m256 p = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(sg + i), m));
-      if (i + 8 == padded)  // lanes past length: weight 0
-        p = _mm256_and_ps(p, _mm256_castsi256_ps(_mm256_cmpgt_epi32(
-                                 _mm256_set1_epi32(static_cast<int32_t>(length - i)),
-                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))));
-      _mm256_storeu_ps(sg + i, p);
-      sum = _mm256_add_ps(sum, p);
-    }
-    s.inv_sum[g] = 1.f / hsum8(sum);
-  }
-  // Weighted values, a head and 64 dims at a time: 8 sums in registers over every position, in order.
-  for (int64_t g = 0; g < G; ++g) {
-    const float* weights = s.scores.data() + g * padded;
-    for (int64_t d0 = 0; d0 < D; d0 += 64) {
-      const int nv = static_cast<int>(std::min<int64_t>(8, (D - d0) / 8));
-      __m256 acc[8];
-      for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
-      for (int64_t j = 0; j < values.blocks(); ++j) {
-        const T* rows = values.block_rows(j) + d0;
-        for (int64_t t = 0; t < values.count(j); ++t) {
-          const __m256 p = _mm256_set1_ps(weights[j * values.block_size + t]);
-          const T* v = rows + t * values.token_stride;
-          for (int c = 0; c < 8; ++c)
-            if (c < nv) acc[c] = _mm256_fmadd_ps(p, load8(v + 8 * c), acc[c]);
+  for (int64_t r = 0; r < rows; ++r) s.inv_sum[r] = softmax8(s.scores.data() + r * padded, length, padded);
+  for (int64_t j = 0; j < values.blocks(); ++j) {
+    for (int64_t h = 0; h < heads; ++h) {
+      Span<T> sp = span_of(values, next, j, h, kAhead2);
+      for (int64_t g0 = 0; g0 < G; g0 += value_per) {
+        const int64_t r = h * G + g0;
+        const float* w = s.scores.data() + r * padded;
+        float* acc = s.acc.data() + r * D;
+        switch (std::min(value_per, G - g0)) {
+          case 1: weigh_span8<T, 1, 8>(D, sp, w, padded, acc); break;
+          case 2: weigh_span8<T, 2, 4>(D, sp, w, padded, acc); break;
+          default: weigh_span8<T, 3, 4>(D, sp, w, padded, acc); break;
         }
+        sp.ahead_count = 0;
       }
-      for (int c = 0; c < nv; ++c) _mm256_storeu_ps(s.acc.data() + g * D + d0 + 8 * c, acc[c]);
     }
   }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t i = 0; i < D; ++i) store_f32(s.acc[g * D + i] * s.inv_sum[g], out + g * D + i);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t d = 0; d < D; ++d) store_f32(s.acc[r * D + d] * s.inv_sum[r], out + r * D + d);
 }
 
 #endif  // PDS_HAVE_AVX512
@@ -540,16 +647,16 @@ void run(const Args<T>& a, int64_t batch, const std::string& want) {
       const int64_t b = task / tasks_per_seq;
       const auto [kv0, kv1] = heads_of(task);
 #if PDS_HAVE_AVX512
-      if (path == Path::kAvx2) {
-        for (int64_t kvh = kv0; kvh < kv1; ++kvh) attend_avx2<T>(a, b, kvh, scratch);
-        continue;
-      }
       if (path != Path::kPortable) {
         // The next task's keys are prefetched while this one's last values are summed.
         Pass<T> next;
         if (task + 1 < end) {
           const auto [next0, next1] = heads_of(task + 1);
           next = key_pass(a, (task + 1) / tasks_per_seq, next0, next1);
+        }
+        if (path == Path::kAvx2) {
+          attend_avx2<T>(a, b, kv0, kv1, next, scratch);
+          continue;
         }
         if constexpr (sizeof(T) == 2) {
           if (path == Path::kAvx512Bf16) {
