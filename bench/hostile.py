@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import random
 import sys
 import tempfile
@@ -174,6 +175,8 @@ def stalls(corpus: Corpus, alone: list[float]) -> dict[str, int]:
 
 def _side(gaps: list[float]) -> dict[str, Any]:
     ordered = sorted(gaps)
+    if not ordered:  # the stream came in one response (a tiny model's tokens can outrun the gateway's reads)
+        return {"gaps": 0, "itl_p50_ms": None, "itl_p99_ms": None, "itl_max_ms": None}
     return {"gaps": len(gaps), "itl_p50_ms": round(percentile(ordered, 50) * 1e3, 2),
             "itl_p99_ms": round(percentile(ordered, 99) * 1e3, 2), "itl_max_ms": round(ordered[-1] * 1e3, 2)}
 
@@ -181,12 +184,14 @@ def _side(gaps: list[float]) -> dict[str, Any]:
 def _report(args: argparse.Namespace, colocate_below: int, corpora: dict[str, Corpus], gaps: dict[str, list[float]],
             drained_s: float | None, gauges: dict[str, dict[str, float]]) -> dict[str, Any]:
     sides = {side: _side(gaps[side]) for side in SIDES}
-    ratios = {side: round(sides[side]["itl_p99_ms"] / sides["alone"]["itl_p99_ms"], 3) for side in ("refused", "all")}
+    alone = sides["alone"]["itl_p99_ms"]
+    ratios = {side: round(sides[side]["itl_p99_ms"] / alone, 3) if alone and sides[side]["gaps"] else None
+              for side in ("refused", "all")}
     unexpected = [u for corpus in corpora.values() for u in corpus.unexpected]
     refusal_ms = sorted(ms for corpus in corpora.values() for ms, _ in corpus.refusals)
     held = {f"{name} {key}": value for name, values in gauges.items() for key, value in values.items() if value}
-    verdict = {"p99_ratio_beside_refusals_within_target": ratios["refused"] <= TARGET_RATIO,
-               "p99_ratio_beside_whole_corpus_within_target": ratios["all"] <= TARGET_RATIO,
+    verdict = {"p99_ratio_beside_refusals_within_target": (ratios["refused"] or math.inf) <= TARGET_RATIO,
+               "p99_ratio_beside_whole_corpus_within_target": (ratios["all"] or math.inf) <= TARGET_RATIO,
                "no_unexpected_statuses": not unexpected, "live_gauges_zero": drained_s is not None}
     return {
         "config": {"model": str(args.model), "rounds": args.rounds, "tokens": args.tokens,
@@ -213,9 +218,10 @@ def _table(result: dict[str, Any]) -> str:
     for side, label in (("alone", "alone"), ("refused", f"beside {len(corpus['kinds_refused'])} refused kinds"),
                         ("all", f"beside all {len(corpus['kinds_refused']) + len(corpus['kinds_served'])} kinds")):
         row = by[side]
-        ratio = f"{by['p99_ratio'][side]:>10.2f}" if side != "alone" else ""
-        lines.append(f"{label:>22} {row['gaps']:>6} {row['itl_p50_ms']:>8.1f} {row['itl_p99_ms']:>8.1f} "
-                     f"{row['itl_max_ms']:>8.1f} {ratio}")
+        ratio = by["p99_ratio"].get(side)
+        cells = [f"{row[key]:>8.1f}" if row[key] is not None else f"{'-':>8}"
+                 for key in ("itl_p50_ms", "itl_p99_ms", "itl_max_ms")]
+        lines.append(f"{label:>22} {row['gaps']:>6} {' '.join(cells)} " + (f"{ratio:>10.2f}" if ratio else ""))
     lines.append(f"target: p99 ratio <= {config['target_ratio']}")
     lines.append(f"corpus requests: {corpus['requests']}, {len(corpus['unexpected'])} unexpected; refusals p50 "
                  f"{corpus['refusal_ms_p50']} ms, max {corpus['refusal_ms_max']} ms")

@@ -120,3 +120,29 @@ def test_bench_prefix_reports_both_modes_and_the_cache_is_used(tiny_model_dir: P
     # last three come from it (the 8-token question runs).
     assert result["off"]["prefill_tokens"] == 4 * 72 and result["on"]["prefill_tokens"] == 72 + 3 * 8
     assert json.loads((tmp_path / "prefix.json").read_text()) == result and (tmp_path / "prefix.png").exists()
+
+
+def test_bench_hostile_runs_the_corpus_beside_a_bystander_and_drains(tiny_model_dir: Path, tmp_path: Path) -> None:
+    done = subprocess.run([*PDSERVE, "bench", "hostile", "--model", str(tiny_model_dir), "--rounds", "1", "--tokens",
+                           "40", "--json", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    result = json.loads(done.stdout)
+    verdict = result["verdict"]
+    # the ratios are not held here (a shared machine); the exit status follows the verdict
+    assert done.returncode == (0 if verdict["ok"] else 1), done.stderr[-2000:]
+    assert verdict["no_unexpected_statuses"] and result["corpus"]["unexpected"] == []
+    assert verdict["live_gauges_zero"] and result["drain"]["held"] == {}
+    corpus = result["corpus"]
+    assert set(corpus["kinds_refused"]).isdisjoint(corpus["kinds_served"]) and len(corpus["kinds_refused"]) >= 30
+    for side in ("refused", "all"):
+        outcomes = corpus["outcomes"][side]
+        assert sum(n for statuses in outcomes.values() for n in statuses.values()) == corpus["requests"][side] > 0
+    refused_statuses = {status for statuses in corpus["outcomes"]["refused"].values() for status in statuses}
+    assert not refused_statuses & {"OK", "HTTP 200", "HTTP 500", "UNKNOWN", "INTERNAL"}, refused_statuses
+    for side in ("alone", "refused", "all"):  # a tiny model's stream can come in one response: no gaps, no figures
+        stats = result["bystander"][side]
+        assert 0 <= stats["gaps"] <= 39
+        if stats["gaps"]:
+            assert stats["itl_p50_ms"] <= stats["itl_p99_ms"] <= stats["itl_max_ms"]
+        else:
+            assert stats["itl_p99_ms"] is None and result["bystander"]["p99_ratio"].get(side) is None
+    assert (tmp_path / "hostile.json").exists()
