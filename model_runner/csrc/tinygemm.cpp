@@ -11,8 +11,9 @@
 // Batch invariance by construction: each output is one sum over k, in order of k, whatever M is, whichever
 // tile or thread computes it. Rows past 16 are done 16 at a time over the same weights, in the same order.
 //
-// CPUs with AVX2 and FMA but no AVX-512 run 8-lane tiles of up to 4 rows by one block (group_avx2): the same
-// sums over k in the same order, so bfloat16 outputs have the same bits as on the other paths.
+// CPUs with AVX2 and FMA but no AVX-512 run 8-lane tiles of up to 6 rows by one block (group_avx2), x widened
+// to float32 once per call: the same sums over k in the same order, so bfloat16 outputs have the same bits as
+// on the other paths.
 //
 // The vector code is compiled by function attribute and chosen at run time, so the one cached build runs on any
 // x86-64 CPU: others (and other architectures) run the portable loops.
@@ -29,6 +30,7 @@
 #include <cstring>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "simd.h"
 
@@ -79,6 +81,7 @@ struct Problem {
   bool other_bf16;
   Post post;
   void* out;  // (m, n), contiguous
+  const float* xs;  // the AVX2 path's x: each tile's rows interleaved (`interleave`), float32
 };
 
 // ---------------------------------------------------------------------------------------------------------
@@ -372,80 +375,151 @@ void group_avx512(const Problem& pr, int64_t g0, int64_t g1, int64_t end, bool f
 
 #if PDS_HAVE_AVX512
 // ---------------------------------------------------------------------------------------------------------
-// AVX2 path: a block's 16 outputs are two 8-lane vectors; a tile is up to kRows2 rows by one block (the 16
-// vector registers hold its 8 sums, the block's line widened and the row's broadcast), so rows past 4 pass over
-// the block again, from cache.
+// AVX2 path: a block's 16 outputs are two 8-lane vectors. A tile is R rows by NB blocks with 2 x R x NB <= 12
+// sums in registers (6 x 1, 3 x 2, 2 x 3, 1 x 4; 4 and 5 rows by one block), beside the weight vectors and one
+// broadcast row value: enough independent chains of FMAs to keep both FMA pipes busy (each sum is one chain),
+// which 4 rows by one block (8 sums, each taking two dependent FMAs per bfloat16 pair) did not. bfloat16 rows
+// of x are widened to float32 once per row tile (exact), so a step broadcasts float32 scalars straight from
+// memory rather than widening a pair per row; a bfloat16 step adds every row's second products, then its first
+// products: each sum still takes its pair's second product first. Rows past a tile pass over the same blocks
+// again; when they do, the blocks are taken in spans small enough to stay in L2 between passes.
 
-constexpr int kRows2 = 4;
+constexpr int kRows2 = 6;
+// Blocks per tile for R rows: 2 x R x NB sums in the 16 vector registers, beside the weights and a broadcast
+constexpr int nb2_for(int rows) { return rows == 1 ? 4 : 1; }
 
-// The prefetches of `prefetch`, for a tile of one block (next: the block after it, if next_blocks).
-inline void prefetch_one(const Tile& t, int64_t s, const char* line) {
+// Row tiles: M rows in ceil(M / 6) tiles of as even a size as can be (8 rows: 4 + 4, not 6 + 2)
+struct RowTiles {
+  int64_t count, base, extra;
+  explicit RowTiles(int64_t m) : count((m + kRows2 - 1) / kRows2), base(m / count), extra(m % count) {}
+  int64_t start(int64_t i) const { return i * base + std::min(i, extra); }
+  int rows(int64_t i) const { return static_cast<int>(base + (i < extra)); }
+};
+constexpr int64_t kSpanBytes2 = 320 << 10;  // weights per span when rows take several passes (L2: 512 KB+)
+
+// The prefetches of `prefetch`, without the AVX-512 target
+inline void prefetch2(const Tile& t, int j, int64_t s, const char* line) {
   if (s + kFar < t.steps) _mm_prefetch(line + kFar * kLine, _MM_HINT_T1);
-  else if (t.next_blocks) _mm_prefetch(t.next + (s + kFar - t.steps) * kLine, _MM_HINT_T1);
+  else if (j < t.next_blocks) _mm_prefetch(t.next + j * t.block_bytes + (s + kFar - t.steps) * kLine, _MM_HINT_T1);
   _mm_prefetch(line + kNear * kLine, _MM_HINT_T0);
 }
 
-template <int M>
-PDS_AVX2 void tile2_f32(const Tile& t) {
-  const float* x = reinterpret_cast<const float*>(t.x);
-  __m256 acc[M][2];
-  for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t s = 0; s < t.steps; ++s) {
-    const char* line = t.w + s * kLine;
-    prefetch_one(t, s, line);
-    const __m256 w0 = _mm256_loadu_ps(reinterpret_cast<const float*>(line));
-    const __m256 w1 = _mm256_loadu_ps(reinterpret_cast<const float*>(line) + 8);
-    for (int r = 0; r < M; ++r) {
-      const __m256 xv = _mm256_set1_ps(x[r * t.ldx + s]);
-      acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
-    }
-  }
-  for (int r = 0; r < M; ++r) {
-    _mm256_storeu_ps(t.acc + r * kBlock, acc[r][0]);
-    _mm256_storeu_ps(t.acc + r * kBlock + 8, acc[r][1]);
-  }
-}
+alignas(32) const uint32_t kHigh[8] = {0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u,
+                                       0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u};
 
-// bfloat16: each pair widened to float32, two FMAs, the pair's second product first (as vdpbf16ps).
-template <int M>
-PDS_AVX2 void tile2_bf16(const Tile& t) {
-  const uint16_t* x = reinterpret_cast<const uint16_t*>(t.x);
-  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u));
-  __m256 acc[M][2];
-  for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t s = 0; s < t.steps; ++s) {
-    const char* line = t.w + s * kLine;
-    prefetch_one(t, s, line);
-    __m256 w0[2], w1[2];
-    for (int h = 0; h < 2; ++h) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32 * h));
-      w0[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-      w1[h] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+// One step of tile2: line s of each of NB blocks (w: block 0's line) against the step's x (xp).
+template <int R, int NB, bool BF16>
+PDS_AVX2 PDS_INLINE void step2(__m256 (&acc)[R][NB][2], const char* w, int64_t block_bytes, const float* xp) {
+  if constexpr (BF16) {
+    // The mask read from memory by vpand rather than held in a register the sums need
+    const __m256i* high = reinterpret_cast<const __m256i*>(kHigh);
+    asm("" : "+r"(high));
+    // each pair's second product (the high halves), then its first (the low halves)
+#pragma GCC unroll 2
+    for (int half = 1; half >= 0; --half) {
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) {
+        const char* line = w + j * block_bytes;
+        __m256 wv[2];
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32 * h));
+          wv[h] = _mm256_castsi256_ps(half ? _mm256_and_si256(v, _mm256_load_si256(high)) : _mm256_slli_epi32(v, 16));
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m256 xv = _mm256_broadcast_ss(xp + (1 - half) * R + r);
+          acc[r][j][0] = _mm256_fmadd_ps(xv, wv[0], acc[r][j][0]);
+          acc[r][j][1] = _mm256_fmadd_ps(xv, wv[1], acc[r][j][1]);
+        }
+      }
+      // More than 8 sums: no loads of the next half before this half's FMAs (GCC would hoist them and spill sums)
+      if constexpr (2 * R * NB > 8) asm volatile("" ::: "memory");
     }
-    for (int r = 0; r < M; ++r) {
-      const __m256i xp = _mm256_set1_epi32(load_pair(x + r * t.ldx + 2 * s));
-      const __m256 x0 = _mm256_castsi256_ps(_mm256_slli_epi32(xp, 16));
-      const __m256 x1 = _mm256_castsi256_ps(_mm256_and_si256(xp, high));
-      for (int h = 0; h < 2; ++h) {
-        acc[r][h] = _mm256_fmadd_ps(x1, w1[h], acc[r][h]);
-        acc[r][h] = _mm256_fmadd_ps(x0, w0[h], acc[r][h]);
+  } else {
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) {
+      const float* line = reinterpret_cast<const float*>(w + j * block_bytes);
+      const __m256 w0 = _mm256_loadu_ps(line), w1 = _mm256_loadu_ps(line + 8);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(xp + r);
+        acc[r][j][0] = _mm256_fmadd_ps(xv, w0, acc[r][j][0]);
+        acc[r][j][1] = _mm256_fmadd_ps(xv, w1, acc[r][j][1]);
       }
     }
   }
-  for (int r = 0; r < M; ++r) {
-    _mm256_storeu_ps(t.acc + r * kBlock, acc[r][0]);
-    _mm256_storeu_ps(t.acc + r * kBlock + 8, acc[r][1]);
+}
+
+// R rows of x by NB blocks, sums to t.acc (R, NB * 16). t.x: the rows as float32 in order of step, R values (a
+// float32 k) or 2 x R (a bfloat16 pair: every row's second, then every row's first) per step (`interleave`).
+// Tiles of up to 8 sums take two steps a turn while the far prefetches stay in their blocks (fewer instructions
+// per FMA).
+template <int R, int NB, bool BF16>
+PDS_AVX2 void tile2(const Tile& t) {
+  constexpr int kX = (BF16 ? 2 : 1) * R;  // floats of x per step
+  constexpr int kU = 2 * R * NB <= 8 ? 2 : 1;  // steps per turn of the main loop (12 sums leave no registers)
+  const float* xp = reinterpret_cast<const float*>(t.x);
+  __m256 acc[R][NB][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
+  int64_t s = 0;
+  // (12 sums: one loop, which GCC compiles without spilling them)
+  for (; kU > 1 && s + kU <= t.steps - kFar; s += kU, xp += kU * kX) {
+    const char* w = t.w + s * kLine;
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) {
+      const char* line = w + j * t.block_bytes;
+#pragma GCC unroll 2
+      for (int u = 0; u < kU; ++u) {
+        _mm_prefetch(line + (kFar + u) * kLine, _MM_HINT_T1);
+        _mm_prefetch(line + (kNear + u) * kLine, _MM_HINT_T0);
+      }
+    }
+#pragma GCC unroll 2
+    for (int u = 0; u < kU; ++u) step2<R, NB, BF16>(acc, w + u * kLine, t.block_bytes, xp + u * kX);
   }
+  for (; s < t.steps; ++s, xp += kX) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) prefetch2(t, j, s, t.w + j * t.block_bytes + s * kLine);
+    step2<R, NB, BF16>(acc, t.w + s * kLine, t.block_bytes, xp);
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) {
+      _mm256_storeu_ps(t.acc + (r * NB + j) * kBlock, acc[r][j][0]);
+      _mm256_storeu_ps(t.acc + (r * NB + j) * kBlock + 8, acc[r][j][1]);
+    }
 }
 
 template <bool BF16>
-void tile2(const Tile& t, int rows) {
+void tile2_rows(const Tile& t, int rows, bool one_block) {
   switch (rows) {
-    case 1: BF16 ? tile2_bf16<1>(t) : tile2_f32<1>(t); break;
-    case 2: BF16 ? tile2_bf16<2>(t) : tile2_f32<2>(t); break;
-    case 3: BF16 ? tile2_bf16<3>(t) : tile2_f32<3>(t); break;
-    default: BF16 ? tile2_bf16<4>(t) : tile2_f32<4>(t); break;
+    case 1: return one_block ? tile2<1, 1, BF16>(t) : tile2<1, nb2_for(1), BF16>(t);
+    case 2: return tile2<2, 1, BF16>(t);
+    case 3: return tile2<3, 1, BF16>(t);
+    case 4: return tile2<4, 1, BF16>(t);
+    case 5: return tile2<5, 1, BF16>(t);
+    default: return tile2<6, 1, BF16>(t);
+  }
+}
+
+// Rows r0.. of x as tile2 reads them (float32, bfloat16 widened: exact), into out from out + r0 * width.
+void interleave(const Problem& pr, int64_t r0, int rows, float* out) {
+  if (pr.bf16) {
+    const uint16_t* x = static_cast<const uint16_t*>(pr.x) + r0 * pr.ldx;
+    for (int64_t s = 0; s < pr.steps; ++s, out += 2 * rows)
+      for (int r = 0; r < rows; ++r) {
+        out[r] = to_f32(x[r * pr.ldx + 2 * s + 1]);
+        out[rows + r] = to_f32(x[r * pr.ldx + 2 * s]);
+      }
+  } else {
+    const float* x = static_cast<const float*>(pr.x) + r0 * pr.ldx;
+    for (int64_t s = 0; s < pr.steps; ++s, out += rows)
+      for (int r = 0; r < rows; ++r) out[r] = x[r * pr.ldx + s];
   }
 }
 
@@ -453,40 +527,44 @@ PDS_AVX2 inline __m256 load8(const void* p, bool bf16) {
   return bf16 ? pds::load8(static_cast<const uint16_t*>(p)) : pds::load8(static_cast<const float*>(p));
 }
 
-// Bias, post-op and rounding for rows r0.. of block b from sums acc (rows, 16); a block cut short by N (the
-// last one) goes through the portable loops.
-PDS_AVX2 void finish_avx2(const Problem& pr, int64_t r0, int rows, int64_t b, const float* acc) {
-  const int64_t n0 = b * kBlock;
-  if (pr.n - n0 < kBlock) {
-    finish_portable(pr, r0, rows, b, acc);
-    return;
-  }
-  for (int h = 0; h < 2; ++h) {
-    const int64_t c0 = n0 + 8 * h;
-    const __m256 bias = pr.bias ? load8(static_cast<const char*>(pr.bias) + c0 * (pr.bias_bf16 ? 2 : 4),
-                                        pr.bias_bf16)
-                                : _mm256_setzero_ps();
-    for (int r = 0; r < rows; ++r) {
-      __m256 y = _mm256_add_ps(_mm256_loadu_ps(acc + r * kBlock + 8 * h), bias);
-      const int64_t row = r0 + r;
-      if (pr.post == Post::kSilu) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), y));
-        y = _mm256_div_ps(y, _mm256_add_ps(_mm256_set1_ps(1.f), e));
-      } else if (pr.post != Post::kNone) {
-        const __m256 o = load8(static_cast<const char*>(pr.other) + (row * pr.ldo + c0) * (pr.other_bf16 ? 2 : 4),
-                               pr.other_bf16);
-        y = pr.post == Post::kMul ? _mm256_mul_ps(y, o) : _mm256_add_ps(y, o);
-      }
-      if (pr.bf16) {  // as f32_to_bf16
-        const __m256i bits = _mm256_castps_si256(y);
-        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-        __m256i v = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
-        v = _mm256_blendv_epi8(v, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q)));
-        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(v, v), 0x08);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(pr.out) + row * pr.n + c0),
-                         _mm256_castsi256_si128(packed));
-      } else {
-        _mm256_storeu_ps(static_cast<float*>(pr.out) + row * pr.n + c0, y);
+// Bias, post-op and rounding for rows r0.. of blocks b.. from sums acc (rows, nb * 16); a block cut short by N
+// (the last one) goes through the portable loops.
+PDS_AVX2 void finish_avx2(const Problem& pr, int64_t r0, int rows, int64_t b, int nb, const float* acc) {
+  for (int j = 0; j < nb; ++j) {
+    const int64_t n0 = (b + j) * kBlock;
+    if (pr.n - n0 < kBlock) {
+      float part[kRows2 * kBlock];
+      for (int r = 0; r < rows; ++r) std::memcpy(part + r * kBlock, acc + (r * nb + j) * kBlock, sizeof(float) * kBlock);
+      finish_portable(pr, r0, rows, b + j, part);
+      continue;
+    }
+    for (int h = 0; h < 2; ++h) {
+      const int64_t c0 = n0 + 8 * h;
+      const __m256 bias = pr.bias ? load8(static_cast<const char*>(pr.bias) + c0 * (pr.bias_bf16 ? 2 : 4),
+                                          pr.bias_bf16)
+                                  : _mm256_setzero_ps();
+      for (int r = 0; r < rows; ++r) {
+        __m256 y = _mm256_add_ps(_mm256_loadu_ps(acc + (r * nb + j) * kBlock + 8 * h), bias);
+        const int64_t row = r0 + r;
+        if (pr.post == Post::kSilu) {
+          const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), y));
+          y = _mm256_div_ps(y, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+        } else if (pr.post != Post::kNone) {
+          const __m256 o = load8(static_cast<const char*>(pr.other) + (row * pr.ldo + c0) * (pr.other_bf16 ? 2 : 4),
+                                 pr.other_bf16);
+          y = pr.post == Post::kMul ? _mm256_mul_ps(y, o) : _mm256_add_ps(y, o);
+        }
+        if (pr.bf16) {  // as f32_to_bf16
+          const __m256i bits = _mm256_castps_si256(y);
+          const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+          __m256i v = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+          v = _mm256_blendv_epi8(v, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q)));
+          const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(v, v), 0x08);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(pr.out) + row * pr.n + c0),
+                           _mm256_castsi256_si128(packed));
+        } else {
+          _mm256_storeu_ps(static_cast<float*>(pr.out) + row * pr.n + c0, y);
+        }
       }
     }
   }
@@ -495,18 +573,30 @@ PDS_AVX2 void finish_avx2(const Problem& pr, int64_t r0, int rows, int64_t b, co
 // Blocks g0..g1 of a thread's share, which ends at block end (first: they are the first of it).
 template <bool BF16>
 void group_avx2(const Problem& pr, int64_t g0, int64_t g1, int64_t end, bool first) {
-  const int64_t block_bytes = pr.steps * kLine, elem = BF16 ? 2 : 4;
-  alignas(64) float acc[kRows2 * kBlock];
-  for (int64_t r0 = 0; r0 < pr.m; r0 += kRows2) {
-    const int rows = static_cast<int>(std::min<int64_t>(kRows2, pr.m - r0));
-    for (int64_t b = g0; b < g1; ++b) {
-      const char* w = static_cast<const char*>(pr.w) + b * block_bytes;
-      const Tile t{static_cast<const char*>(pr.x) + r0 * pr.ldx * elem, pr.ldx, w, block_bytes, pr.steps,
-                   w + block_bytes, end - b > 1 ? 1 : 0, acc};
-      if (first && r0 == 0 && b == g0)
-        for (int64_t s = 0; s < std::min<int64_t>(kFar, t.steps); ++s) _mm_prefetch(w + s * kLine, _MM_HINT_T1);
-      tile2<BF16>(t, rows);
-      finish_avx2(pr, r0, rows, b, acc);
+  const int64_t block_bytes = pr.steps * kLine, width = (BF16 ? 2 : 1) * pr.steps;
+  alignas(64) float acc[kRows2 * kBlock];  // at most 6 row-blocks of sums: 6 x 1 ... 1 x 4
+  const RowTiles tiles(pr.m);
+  // several passes over the blocks: spans of them that stay in L2 from one pass to the next
+  const int64_t span = pr.m > kRows2 ? std::max<int64_t>(1, kSpanBytes2 / block_bytes) : g1 - g0;
+  for (int64_t s0 = g0; s0 < g1; s0 += span) {
+    const int64_t s1 = std::min(g1, s0 + span);
+    for (int64_t i = 0; i < tiles.count; ++i) {
+      const int64_t r0 = tiles.start(i);
+      const int rows = tiles.rows(i);
+      const char* x = reinterpret_cast<const char*>(pr.xs + r0 * width);
+      for (int64_t b = s0; b < s1;) {
+        const int nb = s1 - b >= nb2_for(rows) ? nb2_for(rows) : 1;
+        const char* w = static_cast<const char*>(pr.w) + b * block_bytes;
+        const Tile t{x, rows, w, block_bytes, pr.steps, w + nb * block_bytes,
+                     static_cast<int>(std::min<int64_t>(nb, end - b - nb)), acc};
+        if (first && r0 == 0 && b == g0)
+          for (int j = 0; j < nb; ++j)
+            for (int64_t s = 0; s < std::min<int64_t>(kFar, t.steps); ++s)
+              _mm_prefetch(w + j * block_bytes + s * kLine, _MM_HINT_T1);
+        tile2_rows<BF16>(t, rows, nb == 1);
+        finish_avx2(pr, r0, rows, b, nb, acc);
+        b += nb;
+      }
     }
   }
 }
@@ -535,7 +625,20 @@ Path choose_path(bool bf16, const std::string& want) {
 // Which code serves this dtype: "avx512_bf16", "avx512", "avx2" or "portable".
 std::string path_for(bool bf16, const std::string& want) { return path_name(choose_path(bf16, want)); }
 
-void run(const Problem& pr, Path path) {
+void run(const Problem& pr_in, Path path) {
+  Problem pr = pr_in;
+  std::vector<float> xs;
+#if PDS_HAVE_AVX512
+  if (path == Path::kAvx2) {  // x as the AVX2 tiles read it, once per call
+    const int64_t width = (pr.bf16 ? 2 : 1) * pr.steps;
+    const RowTiles tiles(pr.m);
+    xs.resize(pr.m * width);
+    at::parallel_for(0, tiles.count, std::max<int64_t>(1, (64 << 10) / (kRows2 * width)), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) interleave(pr, tiles.start(i), tiles.rows(i), xs.data() + tiles.start(i) * width);
+    });
+    pr.xs = xs.data();
+  }
+#endif
   // Chunks of whole groups, each at least ~256 KB of weights, so threads split big GEMMs and leave small ones
   const int64_t groups = (pr.blocks + kGroup - 1) / kGroup;
   const int64_t group_bytes = kGroup * kBlock * pr.k * (pr.bf16 ? 2 : 4);
