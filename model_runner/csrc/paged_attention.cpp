@@ -79,6 +79,19 @@ Pass<T> value_pass(const Args<T>& a, int64_t b, int64_t kv0, int64_t kv1) {
 
 struct Scratch {
   std::vector<float> q, scores, stage, acc, inv_sum;
+
+  // Sized for `rows` q heads of dim D over `padded` positions, with a stage of (rows, L) vectors of L floats;
+  // returns the stage's first float, aligned to a vector (4 * L bytes).
+  template <int L>
+  float* prepare(int64_t rows, int64_t D, int64_t padded) {
+    q.resize(rows * D);
+    scores.resize(rows * padded);  // (rows, padded)
+    stage.resize(rows * L * L + L);
+    acc.assign(rows * D, 0.f);
+    inv_sum.resize(rows);
+    constexpr uintptr_t align = 4 * L;
+    return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(stage.data()) + align - 1) & ~(align - 1));
+  }
 };
 
 // ---------------------------------------------------------------------------------------------------------
@@ -370,12 +383,7 @@ void attend_avx512(const Args<T>& a, int64_t b, int64_t kv0, int64_t kv1, const 
     return;
   }
   const int64_t padded = (length + 15) / 16 * 16;
-  s.q.resize(rows * D);
-  s.scores.resize(rows * padded);  // (rows, padded)
-  s.stage.resize(rows * 16 * 16 + 16);  // (rows, 16) vectors, 64-byte aligned
-  s.acc.assign(rows * D, 0.f);
-  s.inv_sum.resize(rows);
-  __m512* stage = reinterpret_cast<__m512*>((reinterpret_cast<uintptr_t>(s.stage.data()) + 63) & ~uintptr_t{63});
+  __m512* stage = reinterpret_cast<__m512*>(s.prepare<16>(rows, D, padded));
   const T* q = a.q + (b * a.hq + kv0 * G) * D;
   widen_rows<T, NV>(q, rows, s.q.data());
 
@@ -559,12 +567,7 @@ PDS_AVX2 void attend_avx2(const Args<T>& a, int64_t b, int64_t kv0, int64_t kv1,
     return;
   }
   const int64_t padded = (length + 7) / 8 * 8;
-  s.q.resize(rows * D);
-  s.scores.resize(rows * padded);  // (rows, padded)
-  s.stage.resize(rows * 8 * 8 + 8);  // (rows, 8) vectors, 32-byte aligned
-  s.acc.assign(rows * D, 0.f);
-  s.inv_sum.resize(rows);
-  __m256* stage = reinterpret_cast<__m256*>((reinterpret_cast<uintptr_t>(s.stage.data()) + 31) & ~uintptr_t{31});
+  __m256* stage = reinterpret_cast<__m256*>(s.prepare<8>(rows, D, padded));
   const T* q = a.q + (b * a.hq + kv0 * G) * D;
   for (int64_t i = 0; i < rows * D; ++i) s.q[i] = to_f32(q[i]);
 
