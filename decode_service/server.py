@@ -161,7 +161,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.engine = EngineCore(runner, kv_blocks=blocks, chunk_tokens=config.prefill_chunk,
                                  batch_tokens=config.prefill_batch_tokens,
                                  kv_warm_bytes=min(int(config.kv_warm_mb * (1 << 20)), budget),
-                                 on_step=self._observe_step, prompt_pass_s=config.prefill_pass_ms / 1e3)
+                                 on_step=self._observe_step, prompt_pass_s=config.prefill_pass_ms / 1e3,
+                                 on_iteration=self._observe_iteration)
         keep = int(config.buffer_keep_mb * (1 << 20))
         pool = SegmentPool(keep_bytes=keep) if config.kv_shm and segments.SHM_DIR.is_dir() else None
         self.lender = SegmentLender(pool, spec.kv_bytes_per_token)
@@ -188,9 +189,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                       "pdserve_kv_transfer_failures": "KV transfers refused or broken, by path"},
             histograms={"pdserve_kv_transfer_seconds": "a KV stream's header to its trailer, by path",
                         "pdserve_decode_step_seconds": "one forward pass of the decode batch",
+                        "pdserve_engine_iteration_seconds": "one engine iteration: KV joins, a decode step and a "
+                                                            "colocated prompt pass, a running stream's gap",
                         "pdserve_decode_batch_size": "sequences in a decode step",
                         "pdserve_request_decode_time_seconds": "a sequence's time in the batch, join to finish"})
         self.inbox = KVInbox(spec, self.table, self._admit, self.metrics, config.lease_s, config.max_chunk_bytes)
+
+    def _observe_iteration(self, seconds: float) -> None:  # engine thread
+        self.metrics.observe("pdserve_engine_iteration_seconds", seconds)
 
     def _observe_step(self, seconds: float, batch: int) -> None:  # engine thread
         self.metrics.observe("pdserve_decode_step_seconds", seconds)

@@ -29,13 +29,15 @@ class EngineCore:
     def __init__(self, runner: LoadedModel, *, kv_blocks: int = 0, batch_tokens: int = 256,
                  chunk_tokens: int = 256, max_queued_tokens: int | None = None, layer_streaming: bool = True,
                  prefix_cache: PrefixCache | None = None, kv_warm_bytes: int = 0,
-                 on_step: Callable[[float, int], None] | None = None, prompt_pass_s: float = 0.0) -> None:
+                 on_step: Callable[[float, int], None] | None = None, prompt_pass_s: float = 0.0,
+                 on_iteration: Callable[[float], None] | None = None) -> None:
         """`kv_blocks` > 0 makes a decode core with a paged cache of that many blocks; 0, a prefill core.
         `prompt_pass_s` > 0, on a decode core: colocated prompt passes are cut to about that long, measured at
         start (PromptQueue.fit_to_budget), since each one stalls every running stream for its length.
         `max_queued_tokens`: the prompt queue's token budget (None: unbounded). `kv_warm_bytes`: KV cache memory
         committed now, so that joins do not stall steps on page faults. `on_step(seconds, batch size)`:
-        after every decode step, on the engine thread."""
+        after every decode step, on the engine thread. `on_iteration(seconds)`: after every iteration of the loop
+        (joins, a decode step, a prompt pass), the gap a running stream sees between two tokens."""
         self.runner = runner
         self._wake = threading.Condition()  # re-entrant: the prompt queue finishes jobs under it
         self.prompts = PromptQueue(runner, self._wake, batch_tokens=batch_tokens, chunk_tokens=chunk_tokens,
@@ -49,6 +51,7 @@ class EngineCore:
         self._stopping = False
         self._busy_since: float | None = None  # perf_counter when the iteration under way began; None: waiting
         self._prompt_pass_s = prompt_pass_s
+        self._on_iteration = on_iteration
         self._thread = threading.Thread(target=self._loop, name=f"engine-{self.role}", daemon=True)
 
     @property
@@ -142,13 +145,15 @@ class EngineCore:
     # The engine thread.
     def _loop(self) -> None:
         while self._wait_for_work():
-            self._busy_since = time.perf_counter()
+            self._busy_since = started = time.perf_counter()
             try:
                 self._decode_step()
                 self.prompts.run_next_pass()
             except Exception:  # each stage fails its own requests; this guard keeps the thread serving the rest
                 log.exception("engine iteration failed")
             finally:
+                if self._on_iteration is not None:
+                    self._on_iteration(time.perf_counter() - started)
                 self._busy_since = None
         with self._wake:
             self.prompts.drain("the engine shut down")
