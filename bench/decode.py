@@ -111,7 +111,10 @@ def _measure(runner: LoadedModel, args: argparse.Namespace, read_gbps: float, ma
     step_ms = statistics.median(times) * 1e3
     floor_ms = (weight_bytes + kv_bytes) / (read_gbps * 1e9) * 1e3
     # every weight multiplies every sequence's token; each q head's scores and weighted sum over its cached rows
-    q_per_kv = runner.fast.num_heads // runner.fast.num_kv_heads if runner.fast is not None else 1
+    config = runner.model.config if runner.fast is None else None  # the reference runner's heads, as the fast one's
+    q_per_kv = (runner.fast.num_heads // runner.fast.num_kv_heads if config is None
+                else config.num_attention_heads // (getattr(config, "num_key_value_heads", None)
+                                                    or config.num_attention_heads))
     flops = 2 * weight_bytes / runner.dtype.itemsize * args.batch + 2 * q_per_kv * kv_bytes / runner.dtype.itemsize
     compute_floor_ms = flops / (matmul_gflops * 1e9) * 1e3
     return {"dtype": spec.dtype, "runner": runner.runner_name, "step_ms": step_ms, "floor_ms": floor_ms,
