@@ -72,7 +72,7 @@ class DecodeConfig:
     kv_shm: bool = True  # lend shared-memory segments, so a prefill worker on this host skips the wire
     prefill_chunk: int = 256  # colocated prompts: most tokens of a long prompt prefilled between two decode steps
     prefill_batch_tokens: int = 256  # colocated short prompts share a pass within this many padded tokens
-    prefill_pass_ms: float = 0  # > 0: colocated passes cut to about this long on this machine (measured at start)
+    prefill_pass_ms: float = 50  # > 0: a colocated pass this long since the last step pauses for one (0: never)
     buffer_keep_mb: float = 1024  # idle shared-memory segments kept warm for the next reservations
     kv_warm_mb: float = 1024  # KV cache memory committed at startup (the blocks used first)
     kv_port: int = -1  # TransferKV's own port: -1 = the main port; 0 = a free one
@@ -131,8 +131,9 @@ class DecodeConfig:
                            help="colocated short prompts share one pass while the padded batch holds at most this "
                            "many tokens (default: %(default)s)")
         group.add_argument("--prefill-pass-ms", type=float, default=DecodeConfig.prefill_pass_ms,
-                           help="colocated prompts: cut the chunk and the batch to what one pass does in about this "
-                           "many ms here, timed at start (each pass stalls every running stream); 0: as configured "
+                           help="colocated prompts: while streams run, a prompt pass that has run this many ms "
+                           "since the last decode step pauses at its next layer boundary for one, so a stream "
+                           "waits about a step plus this for its next token; 0: passes run whole "
                            "(default: %(default)s)")
         group.add_argument("--kv-buffer-keep-mb", type=float, default=DecodeConfig.buffer_keep_mb,
                            dest="buffer_keep_mb",
@@ -162,7 +163,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                  batch_tokens=config.prefill_batch_tokens,
                                  kv_warm_bytes=min(int(config.kv_warm_mb * (1 << 20)), budget),
                                  on_step=self._observe_step, prompt_pass_s=config.prefill_pass_ms / 1e3,
-                                 on_iteration=self._observe_iteration)
+                                 on_interval=self._observe_interval)
         keep = int(config.buffer_keep_mb * (1 << 20))
         pool = SegmentPool(keep_bytes=keep) if config.kv_shm and segments.SHM_DIR.is_dir() else None
         self.lender = SegmentLender(pool, spec.kv_bytes_per_token)
@@ -189,14 +190,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                       "pdserve_kv_transfer_failures": "KV transfers refused or broken, by path"},
             histograms={"pdserve_kv_transfer_seconds": "a KV stream's header to its trailer, by path",
                         "pdserve_decode_step_seconds": "one forward pass of the decode batch",
-                        "pdserve_engine_iteration_seconds": "one engine iteration: KV joins, a decode step and a "
-                                                            "colocated prompt pass, a running stream's gap",
+                        "pdserve_decode_interval_seconds": "from one decode step's start to the next one's while "
+                                                           "sequences run: the gap a running stream sees",
                         "pdserve_decode_batch_size": "sequences in a decode step",
                         "pdserve_request_decode_time_seconds": "a sequence's time in the batch, join to finish"})
         self.inbox = KVInbox(spec, self.table, self._admit, self.metrics, config.lease_s, config.max_chunk_bytes)
 
-    def _observe_iteration(self, seconds: float) -> None:  # engine thread
-        self.metrics.observe("pdserve_engine_iteration_seconds", seconds)
+    def _observe_interval(self, seconds: float) -> None:  # engine thread
+        self.metrics.observe("pdserve_decode_interval_seconds", seconds)
 
     def _observe_step(self, seconds: float, batch: int) -> None:  # engine thread
         self.metrics.observe("pdserve_decode_step_seconds", seconds)

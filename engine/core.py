@@ -4,7 +4,9 @@ vLLM runs one EngineCoreProc for every role:
 - decode (`kv_blocks` > 0): a continuous batch (batch.py) that sequences join once their KV arrived, and between
   two decode steps one pass of colocated prompts, scheduled as on a prefill worker: short prompts batched, long
   ones in chunks taking turns with them (chunked prefill, as vLLM does by default). So a long prompt delays
-  running streams by one chunk at a time, never by its whole forward pass.
+  running streams by one chunk at a time, never by its whole forward pass. And a pass that runs longer than
+  `prompt_pass_s` pauses at its next layer boundary for a decode step (layered prefill): a running stream waits
+  about one step plus `prompt_pass_s` for its next token, however long the chunk.
 """
 
 from __future__ import annotations
@@ -30,14 +32,15 @@ class EngineCore:
                  chunk_tokens: int = 256, max_queued_tokens: int | None = None, layer_streaming: bool = True,
                  prefix_cache: PrefixCache | None = None, kv_warm_bytes: int = 0,
                  on_step: Callable[[float, int], None] | None = None, prompt_pass_s: float = 0.0,
-                 on_iteration: Callable[[float], None] | None = None) -> None:
+                 on_interval: Callable[[float], None] | None = None) -> None:
         """`kv_blocks` > 0 makes a decode core with a paged cache of that many blocks; 0, a prefill core.
-        `prompt_pass_s` > 0, on a decode core: colocated prompt passes are cut to about that long, measured at
-        start (PromptQueue.fit_to_budget), since each one stalls every running stream for its length.
+        `prompt_pass_s` > 0, on a decode core: while sequences run, a colocated prompt pass that has run that long
+        since the last decode step runs one at its next layer boundary (0: passes run whole).
         `max_queued_tokens`: the prompt queue's token budget (None: unbounded). `kv_warm_bytes`: KV cache memory
         committed now, so that joins do not stall steps on page faults. `on_step(seconds, batch size)`:
-        after every decode step, on the engine thread. `on_iteration(seconds)`: after every iteration of the loop
-        (joins, a decode step, a prompt pass), the gap a running stream sees between two tokens."""
+        after every decode step, on the engine thread. `on_interval(seconds)`: from one decode step's start to the
+        next one's while sequences run (the step, joins, prompt layers between): the gap a running stream sees
+        between two tokens."""
         self.runner = runner
         self._wake = threading.Condition()  # re-entrant: the prompt queue finishes jobs under it
         self.prompts = PromptQueue(runner, self._wake, batch_tokens=batch_tokens, chunk_tokens=chunk_tokens,
@@ -51,7 +54,12 @@ class EngineCore:
         self._stopping = False
         self._busy_since: float | None = None  # perf_counter when the iteration under way began; None: waiting
         self._prompt_pass_s = prompt_pass_s
-        self._on_iteration = on_iteration
+        self._on_interval = on_interval
+        self._stepped_at = 0.0  # perf_counter when the last decode step ended
+        self._boundary_at = 0.0  # when the last layer boundary of a prompt pass was reached
+        self._step_started: float | None = None  # when the last step started, while sequences run; else None
+        if self.batch is not None and prompt_pass_s > 0:
+            self.prompts.between_layers = self._between_layers
         self._thread = threading.Thread(target=self._loop, name=f"engine-{self.role}", daemon=True)
 
     @property
@@ -59,8 +67,6 @@ class EngineCore:
         return "prefill" if self.batch is None else "decode"
 
     def start(self) -> None:
-        if self._prompt_pass_s > 0 and self.batch is not None:
-            self.prompts.fit_to_budget(self._prompt_pass_s)
         self._thread.start()
 
     def close(self) -> None:
@@ -145,15 +151,13 @@ class EngineCore:
     # The engine thread.
     def _loop(self) -> None:
         while self._wait_for_work():
-            self._busy_since = started = time.perf_counter()
+            self._busy_since = time.perf_counter()
             try:
                 self._decode_step()
                 self.prompts.run_next_pass()
             except Exception:  # each stage fails its own requests; this guard keeps the thread serving the rest
                 log.exception("engine iteration failed")
             finally:
-                if self._on_iteration is not None:
-                    self._on_iteration(time.perf_counter() - started)
                 self._busy_since = None
         with self._wake:
             self.prompts.drain("the engine shut down")
@@ -166,20 +170,43 @@ class EngineCore:
             return not self._stopping
 
     def _decode_step(self) -> None:
-        """Joins and leaves, then one step of the batch: nothing on a prefill core."""
+        """Leaves, one step of the batch, then joins: nothing on a prefill core. Joining after the step puts the
+        copy of a long prompt's KV (~20-40 ms for 1,500 tokens) inside the time a prompt pass may take before the
+        next step, not in front of this one; a joiner decodes from the next step."""
         if self.batch is None:
             return
+        self.batch.leave([seq for seq in self.batch.running if seq.aborted])
+        if self.batch.running:
+            started = time.perf_counter()
+            if self._step_started is not None and self._on_interval is not None:
+                self._on_interval(started - self._step_started)
+            self._step_started = started
+            try:
+                self.batch.step()
+            finally:
+                self._stepped_at = time.perf_counter()
+        else:
+            self._step_started = None
         with self._wake:
             joining, self._joining = list(self._joining), collections.deque()
-        # Leave first: a joiner may need the blocks an aborted sequence is giving up.
-        self.batch.leave([seq for seq in self.batch.running if seq.aborted])
-        for seq, kv, release in joining:
+        for seq, kv, release in joining:  # each join first frees the blocks of sequences aborted since
             try:
                 self.batch.start(seq, kv)
             finally:
                 release()
-        if self.batch.running:
-            self.batch.step()
+
+    def _between_layers(self) -> None:
+        """At a layer boundary of a prompt pass: a decode step, once the running streams (or sequences waiting to
+        join) would wait more than `prompt_pass_s` since the last one if the pass ran one more layer as long as
+        the last. The pass's own state stays untouched."""
+        now = time.perf_counter()
+        layer_s = now - max(self._boundary_at, self._stepped_at)
+        self._boundary_at = now
+        if (self.running or self._joining) and now - self._stepped_at + layer_s > self._prompt_pass_s:
+            try:
+                self._decode_step()
+            except Exception:  # the step failed its own sequences; the pass goes on
+                log.exception("decode step between prompt layers failed")
 
     def _prompt_done(self, seq: Sequence, outcome: Prefilled | BaseException) -> None:
         """A colocated prompt's pass ended: its first token goes out, and it joins the batch."""

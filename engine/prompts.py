@@ -31,8 +31,6 @@ from protos.types import SamplingParams
 
 log = logging.getLogger(__name__)
 
-MIN_CHUNK = 8  # tokens: fewer would spend a pass's fixed cost (reading every weight) on too little
-CALIBRATION_TOKEN = 1  # any id below every vocabulary's size
 
 
 class QueueFull(Exception):
@@ -98,38 +96,14 @@ class PromptQueue:
         self._lock = lock
         self.queued_tokens = 0  # prompt tokens of every job submitted and not yet finished
         self.live_jobs = 0
+        # Called at every layer boundary of a pass, on the engine thread: a decode core runs a decode step there
+        # when its streams have waited long enough (core.py).
+        self.between_layers: Callable[[], None] | None = None
 
     @property
     def chunk_tokens(self) -> int:
         """The most prompt tokens one pass computes."""
         return self._scheduler.chunk_tokens
-
-    def fit_to_budget(self, budget_s: float) -> None:
-        """Before serving: shrink the chunk and the batch of short prompts to what one pass does in about
-        `budget_s` on this machine, so a colocated prompt stalls the decode steps around it by no more. Timed now
-        at two widths, a pass costing a fixed part and a part per token; never grown past what was configured,
-        never under MIN_CHUNK, and a multiple of 8 so that timing noise rarely moves it."""
-        configured = self._scheduler.chunk_tokens
-        if configured <= MIN_CHUNK:
-            return
-        small = max(1, configured // 4)
-
-        def seconds(width: int) -> float:
-            best = float("inf")
-            for _ in range(2):  # the first pass of a width pays for its allocations
-                started = time.perf_counter()
-                prefill_pass(self.runner, [[CALIBRATION_TOKEN] * width], WatchedCache())
-                best = min(best, time.perf_counter() - started)
-            return best
-
-        fixed_and_small, whole = seconds(small), seconds(configured)
-        per_token = max((whole - fixed_and_small) / (configured - small), 1e-9)
-        fixed = max(fixed_and_small - per_token * small, 0.0)
-        fit = max(MIN_CHUNK, min(configured, int((budget_s - fixed) / per_token) // 8 * 8))
-        log.info("prompt passes: %.1f ms + %.2f ms a token; chunks of %d tokens fit %.0f ms (configured: %d)",
-                 fixed * 1e3, per_token * 1e3, fit, budget_s * 1e3, configured)
-        self._scheduler.chunk_tokens = fit
-        self._scheduler.batch_tokens = min(self._scheduler.batch_tokens, fit)
 
     def __len__(self) -> int:
         """Prompts queued (a long prompt part-way through its chunks included); under the lock."""
@@ -187,6 +161,8 @@ class PromptQueue:
                     if job.deliver is not None:
                         width = len(job.token_ids)
                         job.deliver(layer, keys[row, :, :width], values[row, :, :width])
+            if self.between_layers is not None:
+                self.between_layers()
 
         cache = WatchedCache(on_layer, homes=jobs[0].kv_home if len(jobs) == 1 else None)
         logits = prefill_pass(self.runner, [job.token_ids for job in jobs], cache)
@@ -225,6 +201,8 @@ class PromptQueue:
                 raise Abandoned
             if streaming and job.deliver is not None:
                 job.deliver(layer, keys[0], values[0])
+            if self.between_layers is not None:
+                self.between_layers()
 
         job.cache.on_layer = on_layer
         logits = prefill_pass(self.runner, [chunk], job.cache)[0]

@@ -21,9 +21,9 @@ from serving.models import DEFAULT_MODEL
 from serving.tls import TLS
 from serving.tls import channel as tls_channel
 
-# tokens: ~40 ms of bf16 prefill on one core with AMX, the most a decode step waits for one. On an AVX2-only EPYC
-# the same chunk took ~130 ms; `--decode-arg=--prefill-pass-ms=40` cuts it to what fits 40 ms there, which trades
-# the stall for more passes (a lower ITL p99, a higher p50: docs/benchmarks.md, "hostile"), so it is not the default
+# tokens: ~40 ms of bf16 prefill on one core with AMX. On an AVX2-only EPYC the same chunk takes ~100 ms, and the
+# decode worker's --prefill-pass-ms (50 by default) pauses it at a layer boundary for a decode step (layered
+# prefill), so a running stream still waits about a step plus 50 ms at most (docs/benchmarks.md, "serve")
 COLOCATED_CHUNK = 32
 
 

@@ -123,6 +123,7 @@ async def serve(
     metrics_address = ""
     if metrics is not None and config.metrics_port >= 0:
         metrics_address = metrics.start(config.host, config.metrics_port)
+    memory.freeze_startup_objects()  # after the model, the servicers and the server: all of startup
     print(json.dumps({"role": role, "address": address, "pid": os.getpid(), "metrics": metrics_address,
                       **(announce or {})}), flush=True)
     logging.getLogger(role).info("serving on %s", address)

@@ -123,45 +123,40 @@ def test_colocated_prompts_batched_or_chunked_decode_as_they_do_alone(runner: Lo
     assert engine.live_sequences == 0
 
 
-@pytest.mark.parametrize("budget_s, chunk", [(1e-6, prompts_module.MIN_CHUNK), (60.0, 256)],
-                         ids=["tight", "roomy"])
-def test_a_prompt_pass_budget_cuts_colocated_chunks_to_what_fits_and_decodes_the_same(
-        runner: LoadedModel, monkeypatch: pytest.MonkeyPatch, budget_s: float, chunk: int) -> None:
+@pytest.mark.parametrize("pass_s", [1e-9, 60.0], ids=["tight", "roomy"])
+def test_a_colocated_pass_pauses_between_layers_for_decode_steps_and_every_stream_decodes_the_same(
+        runner: LoadedModel, monkeypatch: pytest.MonkeyPatch, pass_s: float) -> None:
     sampling = SamplingParams(temperature=0.0)
-    expected = [_alone(runner, prompt, sampling) for prompt in PROMPTS]
-    # 1. The engine times prompt passes at start and fits its chunks to the budget: none fits 1 us, so the
-    #    smallest; all of the configured 256 fit 60 s.
-    engine = EngineCore(runner, kv_blocks=64, chunk_tokens=256, prompt_pass_s=budget_s)
-    passes: list[list[int]] = []
+    expected = [_alone(runner, prompt, sampling) for prompt in PROMPTS[:2]]
+    steps = [0]
+    engine = EngineCore(runner, kv_blocks=64, chunk_tokens=256, prompt_pass_s=pass_s,
+                        on_step=lambda seconds, size: steps.__setitem__(0, steps[0] + 1))
+    steps_in_pass: list[int] = []
 
     def counting_pass(runner: LoadedModel, prompts: list[list[int]], cache: object) -> torch.Tensor:
-        passes.append([len(prompt) for prompt in prompts])
-        return forward.prefill_pass(runner, prompts, cache)  # type: ignore[arg-type]
+        before = steps[0]
+        logits = forward.prefill_pass(runner, prompts, cache)  # type: ignore[arg-type]
+        steps_in_pass.append(steps[0] - before)
+        return logits
 
+    monkeypatch.setattr(prompts_module, "prefill_pass", counting_pass)
+    # 1. A stream runs; at its second token, on the engine thread, a 40-token prompt arrives for colocated prefill,
+    #    whose one pass (30 layers) starts right after that step.
+    colocated: list[_Stream] = []
     engine.start()
-    monkeypatch.setattr(prompts_module, "prefill_pass", counting_pass)  # after the timed passes at start
-    # 2. Colocated prompts of 5, 40 and 10 tokens run in passes of at most the fitted chunk
     try:
-        streams = [_Stream(engine, runner, prompt, sampling, f"colocated-{index}", colocated=True)
-                   for index, prompt in enumerate(PROMPTS)]
-        for stream in streams:
-            stream.wait_for()
+        running = _Stream(engine, runner, PROMPTS[0], sampling, "running", at={2: lambda: colocated.append(
+            _Stream(engine, runner, PROMPTS[1], sampling, "colocated", colocated=True))})
+        running.wait_for()
+        colocated[0].wait_for()
     finally:
         engine.close()
-    assert max(width for widths in passes for width in widths) <= chunk
-    assert sum(sum(widths) for widths in passes) == sum(len(prompt) for prompt in PROMPTS)
-    if chunk == prompts_module.MIN_CHUNK:
-        assert passes.count([8]) == 6  # 40 tokens in 5 chunks, and the first 8 of the 10-token prompt
-    # 3. Every stream decodes as it does alone, and nothing is held
-    assert [stream.tokens for stream in streams] == expected
+    # 2. Tight: a decode step at each layer boundary, until the running stream's last 10 tokens were out, all
+    #    before the prompt's first token. Roomy: the pass runs whole.
+    assert steps_in_pass == ([MAX_TOKENS - 2] if pass_s < 1 else [0])
+    # 3. Both decode as they do alone, and nothing is held
+    assert [running.tokens, colocated[0].tokens] == expected
     assert engine.live_sequences == 0
-
-
-def test_a_prompt_pass_budget_leaves_a_prefill_core_alone(tiny_runner: LoadedModel) -> None:
-    engine = EngineCore(tiny_runner, chunk_tokens=256, prompt_pass_s=1e-6)  # no kv_blocks: a prefill core
-    engine.start()
-    engine.close()
-    assert engine.prompts.chunk_tokens == 256
 
 
 def test_a_colocated_prompt_takes_the_blocks_of_a_sequence_aborted_in_the_same_step(runner: LoadedModel) -> None:

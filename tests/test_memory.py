@@ -53,3 +53,22 @@ def test_kv_sized_blocks_come_from_the_heap_once_tuned_and_from_fresh_mappings_o
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not _has_mallinfo2(), reason="glibc >= 2.33 only")
 def test_an_operator_malloc_setting_wins() -> None:
     assert _probe("tune", MALLOC_TRIM_THRESHOLD_="131072")["tuned"] is False
+
+
+_FREEZE_PROBE = """
+import gc, json
+import torch, transformers  # what a worker holds once loaded (its model's tensors are few objects)
+from serving import memory
+tracked = len(gc.get_objects())
+memory.freeze_startup_objects()
+print(json.dumps({"tracked": tracked, "frozen": gc.get_freeze_count(), "left": len(gc.get_objects())}))
+"""
+
+
+def test_startup_objects_are_frozen_out_of_every_later_collection() -> None:
+    done = subprocess.run([sys.executable, "-c", _FREEZE_PROBE], capture_output=True, text=True, timeout=120,
+                          check=True)
+    found = json.loads(done.stdout)
+    # a full collection walks only what was made after startup, not torch's and transformers' objects
+    assert found["tracked"] > 50_000 and found["frozen"] > 0.9 * found["tracked"]
+    assert found["left"] < 1_000
