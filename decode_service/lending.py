@@ -37,8 +37,8 @@ class SegmentLender:
         if self.pool is None:
             return
         pool = self.pool
-        acquiring = asyncio.ensure_future(
-            asyncio.to_thread(pool.acquire, reservation.params.prompt_tokens * self.kv_bytes_per_token))
+        acquiring = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(
+            pool.maker, pool.acquire, reservation.params.prompt_tokens * self.kv_bytes_per_token))
         try:
             segment = await asyncio.shield(acquiring)
         except asyncio.CancelledError:

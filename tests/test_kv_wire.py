@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pwd
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -434,6 +435,18 @@ def test_pool_reuses_warm_segments_and_bounds_what_it_keeps() -> None:
     assert pool.idle_bytes == 4 << 20 and not (segments.SHM_DIR / str(big.name)).exists()
     pool.close()
     assert not (segments.SHM_DIR / str(first.name)).exists()
+
+
+def test_the_pool_makes_segments_on_a_thread_that_yields_the_core_to_the_engine() -> None:
+    pool = SegmentPool(keep_bytes=4 << 20)
+    here = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    maker = pool.maker.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result(10)
+    assert maker == min(here + segments.MAKER_NICENESS, 19)  # this thread, and so the engine, keep their own
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == here
+    made = pool.maker.submit(pool.acquire, 1 << 20).result(10)
+    assert made.size >= 1 << 20
+    pool.release(made)
+    pool.close()
 
 
 @pytest.mark.parametrize(("field", "value", "code"), [
