@@ -45,7 +45,8 @@ class EngineCore:
         self._wake = threading.Condition()  # re-entrant: the prompt queue finishes jobs under it
         self.prompts = PromptQueue(runner, self._wake, batch_tokens=batch_tokens, chunk_tokens=chunk_tokens,
                                    max_queued_tokens=max_queued_tokens, layer_streaming=layer_streaming,
-                                   prefix_cache=prefix_cache)
+                                   prefix_cache=prefix_cache,
+                                   between_layers=self._between_layers if kv_blocks and prompt_pass_s > 0 else None)
         self.batch = DecodeBatch(runner, kv_blocks, on_step) if kv_blocks else None
         if self.batch is not None:
             self.batch.cache.commit(kv_warm_bytes)
@@ -58,8 +59,6 @@ class EngineCore:
         self._stepped_at = 0.0  # perf_counter when the last decode step ended
         self._boundary_at = 0.0  # when the last layer boundary of a prompt pass was reached
         self._step_started: float | None = None  # when the last step started, while sequences run; else None
-        if self.batch is not None and prompt_pass_s > 0:
-            self.prompts.between_layers = self._between_layers
         self._thread = threading.Thread(target=self._loop, name=f"engine-{self.role}", daemon=True)
 
     @property

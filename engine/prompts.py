@@ -32,7 +32,6 @@ from protos.types import SamplingParams
 log = logging.getLogger(__name__)
 
 
-
 class QueueFull(Exception):
     """The prompt would take the queue over its token budget."""
 
@@ -87,7 +86,10 @@ class PromptQueue:
     """Queue bookkeeping under the engine's lock; passes on the engine thread."""
 
     def __init__(self, runner: LoadedModel, lock: threading.Condition, *, batch_tokens: int, chunk_tokens: int,
-                 max_queued_tokens: int | None, layer_streaming: bool, prefix_cache: PrefixCache | None) -> None:
+                 max_queued_tokens: int | None, layer_streaming: bool, prefix_cache: PrefixCache | None,
+                 between_layers: Callable[[], None] | None = None) -> None:
+        """`between_layers()`: called at every layer boundary of a pass, on the engine thread (a decode core runs
+        a decode step there when its streams have waited long enough: core.py)."""
         self.runner = runner
         self.prefix_cache = prefix_cache  # used under the lock
         self.max_queued_tokens = max_queued_tokens  # None: unbounded (a decode worker's reservations bound it)
@@ -96,9 +98,7 @@ class PromptQueue:
         self._lock = lock
         self.queued_tokens = 0  # prompt tokens of every job submitted and not yet finished
         self.live_jobs = 0
-        # Called at every layer boundary of a pass, on the engine thread: a decode core runs a decode step there
-        # when its streams have waited long enough (core.py).
-        self.between_layers: Callable[[], None] | None = None
+        self.between_layers = between_layers
 
     @property
     def chunk_tokens(self) -> int:
