@@ -1,16 +1,19 @@
 """`pdserve bench decode`: the decode step against its memory-bandwidth floor.
 
-A decode step must read every weight once and each sequence's whole KV cache; on a CPU that is the floor:
+A decode step must read every weight once and each sequence's whole KV cache; that is the floor:
 (weight bytes + KV bytes read) / read bandwidth. This runs the decode engine's own step (`forward.decode_step`
-over a paged KV cache) at a batch of sequences with `--context` tokens each, and measures the read bandwidth
-of the same threads in the same run (a sum over a buffer far larger than the caches). Each --dtype given is
-measured in turn; the first is the headline (`step_ms`, `floor_ms` in --json).
+over a paged KV cache) at a batch of sequences with `--context` tokens each, and measures the bandwidth in the
+same run: on the CPU, a sum by the same threads over a buffer far larger than the caches; on a GPU (`--device
+cuda`), a device-to-device copy, counting the bytes read and written. Each --dtype given is measured in turn; the
+first is the headline (`step_ms`, `floor_ms` in --json). `--random` measures Llamas of public shapes with random
+weights instead of --model (the default model is too small to load a GPU).
 
 A step must also do its arithmetic: two flops per weight per sequence, and four per cached element of every q
-head's keys and values. Over the matmul rate these threads reach (the better of a large float32 and bfloat16
-matmul, measured in the same run), that is the compute floor (`compute_floor_ms`). Where it is above the memory
-floor the step cannot reach the memory floor on this CPU: on one AVX2 core without bfloat16 dot-product
-instructions, a bfloat16 step at batch 8 is bound by its arithmetic, not by its reads.
+head's keys and values. Over the matmul rate measured in the same run, that is the compute floor
+(`compute_floor_ms`): on the CPU the better of a large float32 and bfloat16 matmul (the kernels multiply
+bfloat16 in float32), on a GPU the rate of the step's own dtype. Where it is above the memory floor the step
+cannot reach the memory floor: on one AVX2 core without bfloat16 dot-product instructions, a bfloat16 step at
+batch 8 is bound by its arithmetic, not by its reads; so is a float32 step at batch 64 on a GPU's CUDA cores.
 """
 
 from __future__ import annotations
@@ -19,14 +22,16 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from bench.report import add_output_args, publish
 from model_runner import forward
-from model_runner.loading import LoadedModel, ModelConfig
+from model_runner.loading import DTYPES, LoadedModel, ModelConfig
 from model_runner.paged_cache import BLOCK_SIZE, PagedKVCache
+from protos.types import ModelSpec
 from serving.models import DEFAULT_MODEL
 
 
@@ -39,49 +44,125 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads, as a decode worker of `pdserve "
                         "cluster` gets on 2 cores (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per dtype (after 3 warm-up steps)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
+    parser.add_argument("--random", default="", help="instead of --model, Llamas of these shapes with random weights "
+                        f"made on the device, comma-separated: {', '.join(RANDOM_LLAMAS)} (fast runner only)")
     add_output_args(parser, "decode", plot=False)
+
+
+# Shapes of public Llamas (Llama 3.2 1B, Llama 3.1 8B), for the GPU: SmolLM2-135M is too small to load one.
+RANDOM_LLAMAS: dict[str, dict[str, Any]] = {
+    "llama-1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+                 "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": True},
+    "llama-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                 "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False},
+}
 
 
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
-    read_gbps = read_bandwidth()
-    matmul_gflops = max(matmul_rate(torch.float32), matmul_rate(torch.bfloat16))
+    device = torch.device(args.device)
+    read_gbps = read_bandwidth(device)
+    rates = {dtype: matmul_rate(DTYPES[dtype], device) for dtype in DTYPES}
+    matmul_gflops = max(rates.values())
     variants = []
-    for name in args.runner.split(","):
-        for dtype in args.dtype.split(","):
-            runner = ModelConfig(model=args.model, dtype=dtype, threads=args.threads, runner=name).load()
-            variants.append(_measure(runner, args, read_gbps, matmul_gflops))
-            del runner
-            print(f"bench decode: {name} {dtype} done", file=sys.stderr, flush=True)
+    models = [f"random:{name}" for name in args.random.split(",")] if args.random else [args.model]
+    for model in models:
+        for name in args.runner.split(",") if not args.random else ["fast"]:
+            for dtype in args.dtype.split(","):
+                if model.startswith("random:"):
+                    runner = random_llama(model.removeprefix("random:"), dtype, device)
+                else:
+                    runner = ModelConfig(model=model, dtype=dtype, device=args.device, threads=args.threads,
+                                         runner=name).load()
+                # a GPU multiplies each dtype at its own rate; the CPU kernels multiply bfloat16 in float32
+                rate = rates[dtype] if device.type == "cuda" else matmul_gflops
+                variants.append({"model": model, "matmul_gflops": rate, **_measure(runner, args, read_gbps, rate)})
+                del runner
+                print(f"bench decode: {model} {name} {dtype} done", file=sys.stderr, flush=True)
     head = variants[0]
     result = {"step_ms": head["step_ms"], "floor_ms": head["floor_ms"], "batch": args.batch, "context": args.context,
-              "threads": args.threads, "read_gbps": read_gbps, "matmul_gflops": matmul_gflops, "variants": variants}
+              "threads": args.threads, "device": _device_name(device), "read_gbps": read_gbps,
+              "matmul_gflops": matmul_gflops, "matmul_gflops_by_dtype": rates, "variants": variants}
     return publish(args, "decode", result, lambda: _table(result))
 
 
-def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """GB/s at which this process's torch threads read memory: the best of `repeats` sums over `nbytes`."""
-    data = torch.ones(nbytes // 4)
+CPU = torch.device("cpu")
+
+
+def read_bandwidth(device: torch.device = CPU, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """GB/s at which memory is read: on the CPU, the best of `repeats` sums over `nbytes` by this process's torch
+    threads; on a GPU, a device-to-device copy of `nbytes`, counting the bytes read and written."""
+    data = torch.ones(nbytes // 4, device=device)
+    target = torch.empty_like(data) if device.type != "cpu" else data
+    moved = 2 * nbytes if device.type != "cpu" else nbytes
     best = float("inf")
-    for _ in range(repeats):
+    for _ in range(repeats + 1):  # the first one warms up
+        _sync(device)
         started = time.perf_counter()
-        data.sum()
+        target.copy_(data) if device.type != "cpu" else data.sum()
+        _sync(device)
         best = min(best, time.perf_counter() - started)
-    return nbytes / best / 1e9
+    return moved / best / 1e9
 
 
-def matmul_rate(dtype: torch.dtype, n: int = 1536, repeats: int = 3) -> float:
-    """GFLOP/s of this process's torch threads on an n x n matmul in `dtype`: the best of `repeats`, or of the
+def matmul_rate(dtype: torch.dtype, device: torch.device = CPU, repeats: int = 3) -> float:
+    """GFLOP/s on an n x n matmul in `dtype` (n = 1536 on the CPU, 8192 on a GPU): the best of `repeats`, or of the
     first call alone if it took over a second (bfloat16 on a CPU without its instructions: ~1 GFLOP/s)."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    n = 1536 if device.type == "cpu" else 8192
+    a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
+    _sync(device)
     started = time.perf_counter()
     torch.mm(a, b)  # also the warm-up: packing buffers, the kernel's first call
+    _sync(device)
     best = time.perf_counter() - started
     for _ in range(repeats if best < 1 else 0):
         started = time.perf_counter()
         torch.mm(a, b)
+        _sync(device)
         best = min(best, time.perf_counter() - started)
     return 2 * n**3 / best / 1e9
+
+
+def random_llama(shape: str, dtype: str, device: torch.device) -> LoadedModel:
+    """The fast runner over a Llama of one of RANDOM_LLAMAS' shapes, its weights drawn on the device (N(0, 0.02),
+    as Hugging Face initialises them): no checkpoint to write or read."""
+    from transformers import LlamaConfig
+
+    from model_runner.llama import LlamaRunner
+
+    config = LlamaConfig(max_position_embeddings=4096, **RANDOM_LLAMAS[shape])
+    h, i, d = config.hidden_size, config.intermediate_size, config.hidden_size // config.num_attention_heads
+    kv_heads: int = RANDOM_LLAMAS[shape]["num_key_value_heads"]
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    for layer in range(config.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        shapes |= {p + "self_attn.q_proj.weight": (h, h), p + "self_attn.o_proj.weight": (h, h),
+                   p + "self_attn.k_proj.weight": (kv_heads * d, h),
+                   p + "self_attn.v_proj.weight": (kv_heads * d, h),
+                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                   p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,),
+                   p + "post_attention_layernorm.weight": (h,)}
+    generator = torch.Generator(device).manual_seed(0)
+    weights = {name: (torch.ones(size, device=device) if len(size) == 1 else
+                      torch.randn(size, device=device, generator=generator) * 0.02).to(DTYPES[dtype])
+               for name, size in shapes.items()}
+    spec = ModelSpec(name=f"random-{shape}", fingerprint=f"random-{shape}-{dtype}", dtype=dtype,
+                     num_layers=config.num_hidden_layers, num_kv_heads=kv_heads, head_dim=d,
+                     vocab_size=config.vocab_size, max_model_len=config.max_position_embeddings, eos_token_ids=())
+    fast = LlamaRunner(config, weights, DTYPES[dtype], device, spec.max_model_len)
+    return LoadedModel(model=None, spec=spec, device=device, fast=fast)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def _measure(runner: LoadedModel, args: argparse.Namespace, read_gbps: float, matmul_gflops: float) -> dict[str, Any]:
@@ -89,14 +170,14 @@ def _measure(runner: LoadedModel, args: argparse.Namespace, read_gbps: float, ma
     tokens_each = args.context + args.steps + 8
     cache = PagedKVCache(spec.num_layers, args.batch * -(-tokens_each // BLOCK_SIZE), spec.num_kv_heads, spec.head_dim,
                          runner.dtype, runner.device)
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator(runner.device).manual_seed(0)
     # a realistic cache: random values in every position the steps will read, each sequence's blocks shuffled
     # through the pool as they are after a while of joins and leaves
-    cache.kv.copy_(torch.randn(cache.kv.shape, generator=generator))
-    order = torch.randperm(cache.num_blocks, generator=generator).tolist()
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=generator, device=runner.device))
+    order = torch.randperm(cache.num_blocks, generator=generator, device=runner.device).tolist()
     per = cache.num_blocks // args.batch
     tables = [order[i * per : (i + 1) * per] for i in range(args.batch)]
-    tokens = torch.randint(0, spec.vocab_size, (args.batch,), generator=generator).tolist()
+    tokens = torch.randint(0, spec.vocab_size, (args.batch,), generator=generator, device=runner.device).tolist()
     times = []
     for step in range(args.steps + 3):
         positions = [args.context + step] * args.batch
@@ -125,13 +206,15 @@ def _measure(runner: LoadedModel, args: argparse.Namespace, read_gbps: float, ma
 
 
 def _table(result: dict[str, Any]) -> str:
-    lines = [f"Decode step at batch {result['batch']}, {result['context']} cached tokens each, {result['threads']} "
-             f"thread(s); read bandwidth {result['read_gbps']:.1f} GB/s, matmul {result['matmul_gflops']:.0f} GFLOP/s",
-             f"{'runner':>6} {'dtype':>9} {'step ms':>8} {'floor ms':>9} {'step/floor':>10} {'compute floor':>13} "
-             f"{'step/compute':>12} {'tok/s':>7} {'weights MB':>10} {'KV MB':>6}"]
+    lines = [f"Decode step on {result.get('device', 'cpu')} at batch {result['batch']}, {result['context']} cached "
+             f"tokens each, {result['threads']} thread(s); read bandwidth {result['read_gbps']:.1f} GB/s, matmul "
+             f"{result['matmul_gflops']:.0f} GFLOP/s",
+             f"{'model':>16} {'runner':>6} {'dtype':>9} {'step ms':>8} {'floor ms':>9} {'step/floor':>10} "
+             f"{'compute floor':>13} {'step/compute':>12} {'tok/s':>7} {'weights MB':>10} {'KV MB':>6}"]
     for v in result["variants"]:
-        lines.append(f"{v['runner']:>6} {v['dtype']:>9} {v['step_ms']:>8.1f} {v['floor_ms']:>9.1f} "
-                     f"{v['step_over_floor']:>9.2f}x {v['compute_floor_ms']:>13.1f} "
+        model = Path(v.get("model", "")).name[-16:]
+        lines.append(f"{model:>16} {v['runner']:>6} {v['dtype']:>9} {v['step_ms']:>8.2f} {v['floor_ms']:>9.2f} "
+                     f"{v['step_over_floor']:>9.2f}x {v['compute_floor_ms']:>13.2f} "
                      f"{v['step_over_compute_floor']:>11.2f}x "
                      f"{v['tokens_per_s']:>7.1f} {v['weight_bytes'] / 1e6:>10.0f} {v['kv_bytes_per_step'] / 1e6:>6.0f}")
     return "\n".join(lines)

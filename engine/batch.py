@@ -8,6 +8,7 @@ sequence, each attending to its own blocks up to its own length (model_runner/pa
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -17,7 +18,7 @@ from engine.sequence import FAILED, Sequence
 from model_runner.forward import decode_step
 from model_runner.loading import LoadedModel
 from model_runner.paged_cache import KVPieces, PagedKVCache
-from model_runner.sampling import sample
+from model_runner.sampling import SAMPLING_EPS, sample
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +81,12 @@ class DecodeBatch:
         started = time.perf_counter()
         logits = decode_step(self.runner, self.cache, [s.tokens[-1] for s in running], [s.blocks for s in running],
                              [s.cached for s in running])
+        picked = _greedy_on_device(running, logits)
         finished = []
         ended = time.perf_counter()
-        for seq, row in zip(running, logits):
-            token = self.sample(seq, row)
+        for seq, row, token in zip(running, logits, picked):
+            if token is None:
+                token = self.sample(seq, row)
             if token is None:
                 finished.append(seq)
                 continue
@@ -119,3 +122,15 @@ class DecodeBatch:
             self.cache.free(seq.blocks)
             seq.blocks = []
         self.running = [seq for seq in self.running if seq not in gone]
+
+
+def _greedy_on_device(running: list[Sequence], logits: torch.Tensor) -> list[int | None]:
+    """Each greedy row's token, picked on a GPU for the whole batch with one copy back (sampling row by row would
+    sync with the device twice a row); None for the rows that `sample` picks: all of them on the CPU, where there
+    is no copy to save, and any row whose best logit is not finite (`sample` fails it alone)."""
+    if logits.device.type == "cpu":
+        return [None] * len(running)
+    rows = logits.float()
+    best, tokens = (t.tolist() for t in torch.stack([rows.amax(-1), rows.argmax(-1).float()]).cpu())
+    return [int(token) if seq.sampling.temperature < SAMPLING_EPS and math.isfinite(value) else None
+            for seq, value, token in zip(running, best, tokens)]

@@ -1,20 +1,25 @@
 """Decode attention over a paged KV cache: each sequence reads its own blocks, and only up to its own length.
 
 On the CPU a C++ kernel (csrc/paged_attention.cpp) does the work; it is compiled on first use, not on import,
-and cached in torch's extension directory. Where it cannot be built, on other devices, and with
-PDSERVE_ATTENTION=torch, the pure-torch reference serves instead. PDSERVE_ATTENTION=avx512 keeps the kernel but
-leaves out its AVX512-BF16 instructions, =avx2 runs the 8-lane code that CPUs without AVX-512 run, and =portable
-the scalar loops of other CPUs.
+and cached in torch's extension directory. On a CUDA device a Triton kernel does it
+(model_runner/triton_kernels.py). Where neither can run, and with PDSERVE_ATTENTION=torch, the pure-torch
+reference serves instead. PDSERVE_ATTENTION=avx512 keeps the CPU kernel but leaves out its AVX512-BF16
+instructions, =avx2 runs the 8-lane code that CPUs without AVX-512 run, and =portable the scalar loops of other
+CPUs.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from model_runner import kernels
+
+log = logging.getLogger(__name__)
 
 KERNEL = kernels.Kernel("paged_attention.cpp", "paged attention kernel", "the torch reference")
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -55,8 +60,24 @@ def decode_ops(device: torch.device, dtype: torch.dtype) -> DecodeOps:
         ops = torch.ops.pdserve_attention
         return DecodeOps(attend=lambda *args: ops.paged_decode_attention(*args, mode),
                          rope_and_store=ops.rope_and_store, rms_norm=ops.rms_norm)
+    gpu = gpu_kernels() if mode != "torch" and device.type == "cuda" else None
+    if gpu is not None:
+        return DecodeOps(attend=gpu.paged_decode_attention, rope_and_store=gpu.rope_and_store,
+                         rms_norm=lambda x, weight, eps: torch.rms_norm(x, (x.shape[-1],), weight, eps))
     return DecodeOps(attend=reference_decode_attention, rope_and_store=reference_rope_and_store,
                      rms_norm=lambda x, weight, eps: torch.rms_norm(x, (x.shape[-1],), weight, eps))
+
+
+@functools.cache
+def gpu_kernels() -> Any:
+    """The Triton kernels (model_runner/triton_kernels.py), or None where Triton is missing: the torch references
+    serve then, attention one sequence at a time and with a host sync per step, so no CUDA graphs."""
+    try:
+        from model_runner import triton_kernels
+    except ImportError as error:
+        log.warning("decode attention on the GPU falls back to the torch reference: %s", error)
+        return None
+    return triton_kernels
 
 
 def reference_rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,

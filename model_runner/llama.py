@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from model_runner import gemm, prefill_attention
-from model_runner.attention import decode_ops
+from model_runner.attention import decode_ops, reference_decode_attention
+from model_runner.cuda_graphs import DecodeGraphs
 from model_runner.prefill_attention import causal_attention
 
 log = logging.getLogger(__name__)
@@ -97,6 +99,13 @@ class DecodeBatch:
     slots: torch.Tensor  # (B,) long: its slot in the paged cache (block * block_size + offset)
     block_tables: torch.Tensor  # (B, max_blocks) int32
     context_lens: torch.Tensor  # (B,) int32 = positions + 1
+    meta: torch.Tensor | None = None  # on a GPU: the (B, 3 + max_blocks) int64 tensor the fields above view
+
+    @staticmethod
+    def packed(meta: torch.Tensor) -> DecodeBatch:
+        """Views of rows (position, slot, context length, block table...): how a GPU step's metadata travels."""
+        return DecodeBatch(positions=meta[:, 0], slots=meta[:, 1], context_lens=meta[:, 2],
+                           block_tables=meta[:, 3:], meta=meta)
 
 
 class LlamaRunner:
@@ -136,8 +145,13 @@ class LlamaRunner:
         self.lm_head = Linear((self.embed if head is None else head.to(device=device, dtype=dtype)).contiguous())
         self.cos, self.sin = _rope_tables(config, max_model_len, dtype, device)
         # the prompt-attention kernel where it runs (its SDPA fallback is not chunk-invariant: used wholly or not)
-        self._causal_kernel = prefill_attention.kernel_path(self.head_dim, dtype) != "torch" and (
-            device.type == "cpu")
+        self._causal_kernel = device.type == "cpu" and prefill_attention.kernel_path(self.head_dim, dtype) != "torch"
+        # decode steps replay CUDA graphs where the attention kernel reads each row to its own length (a padded
+        # row then costs nothing); PDSERVE_CUDA_GRAPHS=0 runs them eagerly
+        self.graphs = None
+        if device.type == "cuda" and decode_ops(device, dtype).attend is not reference_decode_attention and (
+                os.environ.get("PDSERVE_CUDA_GRAPHS", "1") != "0"):
+            self.graphs = DecodeGraphs(self._decode, DecodeBatch.packed, max_model_len, device)
 
     @classmethod
     def load(cls, model_dir: Path, dtype: torch.dtype, device: torch.device, max_model_len: int) -> LlamaRunner:
@@ -189,7 +203,13 @@ class LlamaRunner:
     # Decode: one token per sequence over the paged cache.
     @torch.inference_mode()
     def decode(self, input_ids: torch.Tensor, batch: DecodeBatch, kv: torch.Tensor) -> torch.Tensor:
-        """input_ids (B,); kv (layers, 2, num_blocks, block_size, Hkv, D). Returns logits (B, vocab)."""
+        """input_ids (B,); kv (layers, 2, num_blocks, block_size, Hkv, D). Returns logits (B, vocab); on a GPU
+        with CUDA graphs they live in the graph's output buffer, valid until the next step."""
+        if self.graphs is not None and batch.meta is not None:
+            return self.graphs(input_ids, batch.meta, kv)
+        return self._decode(input_ids, batch, kv)
+
+    def _decode(self, input_ids: torch.Tensor, batch: DecodeBatch, kv: torch.Tensor) -> torch.Tensor:
         ops = decode_ops(self.device, self.dtype)
         x = F.embedding(input_ids, self.embed)  # (B, H)
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # (B, D)

@@ -53,13 +53,15 @@ class PagedKVCache:
                  device: torch.device, block_size: int = BLOCK_SIZE) -> None:
         self.block_size, self.num_kv_heads, self.head_dim = block_size, num_kv_heads, head_dim
         self.dtype, self.device = dtype, device
-        self.kv = _zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype, device)
+        # one spare block past the last, never handed out: a CUDA graph's padding rows write their keys there
+        # (model_runner/cuda_graphs.py)
+        self.kv = _zeros((num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim), dtype, device)
         # a stack, lowest ids on top: freed blocks are reused first, so the pages in use stay warm and few
         self._free = list(range(num_blocks - 1, -1, -1))
 
     @property
     def num_blocks(self) -> int:
-        return int(self.kv.shape[2])
+        return int(self.kv.shape[2]) - 1
 
     @property
     def free_blocks(self) -> int:
@@ -96,9 +98,9 @@ class PagedKVCache:
         numel = self.num_kv_heads * length * self.head_dim
         for index, pieces in enumerate(kv):
             whole = pieces[0][1] if len(pieces) == 1 and pieces[0][1].numel() == numel else _joined(pieces, numel)
-            # (heads, tokens, dim) -> (tokens, heads, dim), cast on the way in if the wire's dtype differs
-            flat[index // 2, index % 2].index_copy_(0, slots, whole.view(self.num_kv_heads, length,
-                                                                         self.head_dim).transpose(0, 1).to(self.dtype))
+            # (heads, tokens, dim) -> (tokens, heads, dim), onto the pool's device, cast if the wire's dtype differs
+            tokens_first = whole.view(self.num_kv_heads, length, self.head_dim).transpose(0, 1)
+            flat[index // 2, index % 2].index_copy_(0, slots, tokens_first.to(self.device, self.dtype))
 
     def read(self, blocks: list[int], length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A sequence's first `length` positions, (kv_heads, length, head_dim) keys and values per layer (copies)."""
@@ -107,7 +109,13 @@ class PagedKVCache:
         return [(layer[0, slots].transpose(0, 1), layer[1, slots].transpose(0, 1)) for layer in flat]
 
     def decode_batch(self, tables: list[list[int]], positions: list[int]) -> DecodeBatch:
-        """A step's metadata: row i writes its new token at positions[i] of the sequence in blocks tables[i]."""
+        """A step's metadata: row i writes its new token at positions[i] of the sequence in blocks tables[i].
+
+        On the CPU, int32 tables and lengths, as the C++ kernels take them. On a GPU, one int64 tensor (B, 3 + width)
+        of rows (position, slot, length, table...), made in pinned memory and copied over at once: one transfer
+        per step instead of four, and the layout the CUDA graphs' static buffer has (model_runner/cuda_graphs.py)."""
+        if self.device.type != "cpu":
+            return self._packed_batch(tables, positions)
         width = max(map(len, tables))
         table = torch.zeros(len(tables), width, dtype=torch.int32)
         for row, blocks in enumerate(tables):
@@ -117,6 +125,14 @@ class PagedKVCache:
         slots = block * self.block_size + pos % self.block_size
         return DecodeBatch(positions=pos.to(self.device), slots=slots.to(self.device),
                            block_tables=table.to(self.device), context_lens=(pos + 1).to(torch.int32).to(self.device))
+
+
+    def _packed_batch(self, tables: list[list[int]], positions: list[int]) -> DecodeBatch:
+        width = max(map(len, tables))
+        rows = [[position, blocks[position // self.block_size] * self.block_size + position % self.block_size,
+                 position + 1, *blocks, *[0] * (width - len(blocks))] for blocks, position in zip(tables, positions)]
+        meta = torch.tensor(rows, dtype=torch.long).pin_memory()
+        return DecodeBatch.packed(meta.to(self.device, non_blocking=True))
 
 
 def _joined(pieces: list[tuple[int, torch.Tensor]], numel: int) -> torch.Tensor:
