@@ -12,7 +12,7 @@ mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 "$py" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
 
-"$py" -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+"$py" -m pytest -q -rA -p no:cacheprovider tests/test_cuda.py \
     "tests/test_kv_wire.py::test_kv_on_a_gpu_leaves_through_pinned_memory_and_lands_on_a_gpu" 2>&1 \
     | tee "$out/tests.log" | tail -n 30
 

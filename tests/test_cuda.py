@@ -49,12 +49,19 @@ def _prompts(count: int, vocab: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv,head_dim", [(9, 3, 64), (32, 8, 128), (4, 4, 16)])
-def test_the_triton_decode_attention_reads_each_sequence_to_its_own_length(dtype: str, hq: int, hkv: int,
-                                                                           head_dim: int) -> None:
+@pytest.mark.parametrize("blocks_each", [19, 400], ids=["narrow tables", "wide tables"])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "whole"])
+def test_the_triton_decode_attention_reads_each_sequence_to_its_own_length(
+        dtype: str, hq: int, hkv: int, head_dim: int, blocks_each: int, split: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sequences of 0 to 300 tokens in tables of 19 blocks and of 400, split into 128-token parts (the batch is too
+    small to fill the GPU) or whole (as if it were large enough: one program per sequence and kv head)."""
+    from model_runner import triton_kernels
     from model_runner.triton_kernels import paged_decode_attention
 
-    lengths = [0, 1, 15, 16, 17, 64, 65, 300]
-    blocks_each = -(-max(lengths) // BLOCK_SIZE)
+    if not split:
+        monkeypatch.setattr(triton_kernels, "_multiprocessors", lambda device: 1)
+    lengths = [0, 1, 15, 16, 17, 64, 65, 129, 300]
     generator = torch.Generator("cuda").manual_seed(0)
     kv = torch.randn(2, len(lengths) * blocks_each + 3, BLOCK_SIZE, hkv, head_dim, device="cuda",
                      generator=generator).to(DTYPES[dtype])
