@@ -1,5 +1,6 @@
 """What tests share besides conftest.py's fixtures: clusters and their leak checks, waiting for an event, a decode
-worker's handoff driven by hand, and the references outputs are held to.
+worker's handoff driven by hand, the references outputs are held to, the fast runner's greedy decoding over a
+paged cache, and sequences driven through the decode engine in-process.
 
 Tests import these from here, never from each other or from conftest.py (docs/testing.md).
 """
@@ -16,9 +17,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 import torch
 
+from engine.core import EngineCore
 from engine.prompts import Prefilled, PromptJob
+from engine.sequence import Sequence
 from kv_wire.layout import KVLayout
 from kv_wire.sender import KVSender
+from model_runner import forward
+from model_runner.loading import LoadedModel
+from model_runner.paged_cache import BLOCK_SIZE, PagedKVCache, pieces_of
+from model_runner.sampling import sample
 from pdserve.client import Completion, generate
 from pdserve.cluster import Cluster, ClusterConfig, Service, start
 from protos import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, prefill_pb2_grpc, worker_pb2
@@ -241,3 +248,108 @@ class Recorder:
         assert self.outcome is not None
         return self.outcome
 
+
+
+# --- The fast runner's references -----------------------------------------------------------------------------
+
+def greedy(runner: LoadedModel, prompts: list[list[int]], steps: int) -> list[tuple[list[int], list[list[int]]]]:
+    """Each prompt's greedy tokens and the top 5 at every position, prompts prefilled one by one and decoded
+    together as the decode engine does: a paged cache, one batch."""
+    spec = runner.spec
+    cache = PagedKVCache(spec.num_layers, sum(cache_blocks(len(p) + steps) for p in prompts), spec.num_kv_heads,
+                         spec.head_dim, runner.dtype, runner.device)
+    tables, logits = [], []
+    for prompt in prompts:
+        last, kv = forward.prefill(runner, prompt)
+        tables.append(cache.allocate(len(prompt) + steps))
+        cache.load(tables[-1], pieces_of(kv), len(prompt))
+        logits.append(last)
+    rows = torch.stack(logits)
+    out: list[tuple[list[int], list[list[int]]]] = [([], []) for _ in prompts]
+    positions = [len(p) for p in prompts]
+    for step in range(steps):
+        for (tokens, top), row in zip(out, rows):
+            tokens.append(int(row.argmax()))
+            top.append(row.float().topk(5).indices.tolist())
+        if step + 1 < steps:
+            rows = forward.decode_step(runner, cache, [t[-1] for t, _ in out], tables, positions)
+            positions = [p + 1 for p in positions]
+    return out
+
+
+def cache_blocks(tokens: int) -> int:
+    return -(-tokens // BLOCK_SIZE)
+
+
+def hf_reference(model_dir: Path, prompt: list[int], steps: int) -> tuple[list[int], list[list[int]]]:
+    """Hugging Face `generate` in float32 on the CPU, greedy: its tokens and the top 5 at every position."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), [s[0].topk(5).indices.tolist() for s in out.scores]
+
+
+def assert_close(ours: tuple[list[int], list[list[int]]], reference: tuple[list[int], list[list[int]]],
+                 label: str) -> int:
+    """vLLM's check_logprobs_close: equal tokens until the first divergence, where each side's token is in the
+    other's top 5; after it the sequences are not compared. Returns the tokens that agreed."""
+    for position, (a, b) in enumerate(zip(ours[0], reference[0])):
+        if a != b:
+            assert a in reference[1][position] and b in ours[1][position], (
+                f"{label}: position {position}: ours {a} (top 5 {ours[1][position]}), reference {b} "
+                f"(top 5 {reference[1][position]})")
+            return position
+    return len(ours[0])
+
+
+# --- The decode engine in-process -----------------------------------------------------------------------------
+
+ENGINE_MAX_TOKENS = 12
+
+
+class EngineStream:
+    """One sequence in the engine, with its tokens as they are emitted."""
+
+    def __init__(self, engine: EngineCore, runner: LoadedModel, prompt: list[int], sampling: SamplingParams,
+                 name: str, at: dict[int, Callable[[], None]] | None = None, colocated: bool = False,
+                 max_tokens: int = ENGINE_MAX_TOKENS) -> None:
+        self.tokens: list[int] = []
+        self.finish = ""
+        self.progress = threading.Condition()
+        self.at = at or {}  # token count -> hook run on the engine thread, inside the step that reached it
+        self.seq = Sequence(request_id=name, prompt_len=len(prompt), max_tokens=max_tokens, sampling=sampling,
+                            stop_token_ids=frozenset(), emit=self._emit)
+        if colocated:  # the engine prefills it
+            engine.submit_prompt(self.seq, prompt)
+            return
+        logits, kv = forward.prefill(runner, prompt)
+        self.tokens = [sample(logits, sampling, position=len(prompt))]
+        self.seq.tokens = list(self.tokens)
+        engine.submit_kv(self.seq, pieces_of(kv), release=lambda: None)
+
+    def _emit(self, token_ids: list[int], reason: str) -> None:
+        with self.progress:
+            self.tokens += token_ids
+            self.finish = reason
+            self.progress.notify_all()
+        if len(self.tokens) in self.at:
+            self.at.pop(len(self.tokens))()
+
+    def wait_for(self, count: int = 0) -> None:
+        with self.progress:
+            done = self.progress.wait_for(lambda: self.finish or (count and len(self.tokens) >= count), timeout=60)
+        assert done, "the engine stopped emitting"
+
+
+def decode_alone(runner: LoadedModel, prompt: list[int], sampling: SamplingParams) -> list[int]:
+    engine = EngineCore(runner, kv_blocks=64)
+    engine.start()
+    try:
+        stream = EngineStream(engine, runner, prompt, sampling, "alone")
+        stream.wait_for()
+        return stream.tokens
+    finally:
+        engine.close()

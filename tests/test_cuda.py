@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.core import EngineCore
 from model_runner import forward
 from model_runner.attention import reference_decode_attention, reference_rope_and_store
 from model_runner.loading import LoadedModel, ModelConfig
 from model_runner.paged_cache import BLOCK_SIZE, PagedKVCache, pieces_of
 from protos.types import SamplingParams
-from tests import test_decode_engine
-from tests.test_fast_runner import assert_close, greedy, hf_reference
+from tests.helpers import EngineStream, assert_close, decode_alone, greedy, hf_reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on CI's machine)")
 
@@ -146,9 +146,21 @@ def test_a_graph_replay_computes_the_eager_step(llama_dir: Path, dtype: str, row
                        for table, p in zip(tables, prompts)}
 
 
-def test_the_engine_on_the_gpu_decodes_a_sequence_the_same_alone_and_in_a_changing_batch(llama_dir: Path) -> None:
-    """tests/test_decode_engine.py's join-and-leave test with a GPU runner in float32: CUDA graphs of three bucket
-    sizes, greedy tokens picked on the device for the whole batch."""
+def test_the_engine_on_the_gpu_decodes_each_sequence_as_it_does_alone(llama_dir: Path) -> None:
+    """Three sequences joining a running batch one after another (CUDA graphs of buckets 1, 2 and 4, greedy tokens
+    picked on the device for the whole batch) get the tokens each gets alone, in float32."""
     runner = _on_gpu(llama_dir, "float32")
-    test_decode_engine.test_joining_and_leaving_a_running_batch_changes_no_sequence_tokens(
-        runner, SamplingParams(temperature=0.0))
+    sampling = SamplingParams(temperature=0.0)
+    prompts = _prompts(3, 8192)
+    expected = [decode_alone(runner, prompt, sampling) for prompt in prompts]
+    engine = EngineCore(runner, kv_blocks=64)
+    engine.start()
+    try:
+        streams = [EngineStream(engine, runner, prompt, sampling, f"stream-{i}") for i, prompt in enumerate(prompts)]
+        for stream in streams:
+            stream.wait_for()
+    finally:
+        engine.close()
+    assert [stream.tokens for stream in streams] == expected
+    assert {1, 2, 4} <= set(runner.fast.graphs._graphs)  # type: ignore[union-attr]
+    assert engine.live_sequences == 0

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoTokenizer, DynamicCache
 
 from model_runner import forward
-from model_runner.loading import LoadedModel, ModelConfig, load_model
+from model_runner.loading import ModelConfig, load_model
 from model_runner.paged_cache import BLOCK_SIZE, OutOfBlocks, PagedKVCache, pieces_of
 from pdserve.client import generate
-from tests.helpers import assert_nothing_held, start_cluster
+from tests.helpers import assert_close, assert_nothing_held, greedy, hf_reference, start_cluster
 
 QUALITY_PROMPTS = [
     "The capital of France is",
@@ -25,56 +25,6 @@ QUALITY_PROMPTS = [
     "import numpy as np\n\ndef mean_squared_error(y, y_hat):\n",
     "Dear hiring manager, I am writing to apply for the position of",
 ]
-
-
-def greedy(runner: LoadedModel, prompts: list[list[int]], steps: int) -> list[tuple[list[int], list[list[int]]]]:
-    """Each prompt's greedy tokens and the top 5 at every position, prompts prefilled one by one and decoded
-    together as the decode engine does: a paged cache, one batch."""
-    spec = runner.spec
-    cache = PagedKVCache(spec.num_layers, sum(cache_blocks(len(p) + steps) for p in prompts), spec.num_kv_heads,
-                         spec.head_dim, runner.dtype, runner.device)
-    tables, logits = [], []
-    for prompt in prompts:
-        last, kv = forward.prefill(runner, prompt)
-        tables.append(cache.allocate(len(prompt) + steps))
-        cache.load(tables[-1], pieces_of(kv), len(prompt))
-        logits.append(last)
-    rows = torch.stack(logits)
-    out: list[tuple[list[int], list[list[int]]]] = [([], []) for _ in prompts]
-    positions = [len(p) for p in prompts]
-    for step in range(steps):
-        for (tokens, top), row in zip(out, rows):
-            tokens.append(int(row.argmax()))
-            top.append(row.float().topk(5).indices.tolist())
-        if step + 1 < steps:
-            rows = forward.decode_step(runner, cache, [t[-1] for t, _ in out], tables, positions)
-            positions = [p + 1 for p in positions]
-    return out
-
-
-def cache_blocks(tokens: int) -> int:
-    return -(-tokens // BLOCK_SIZE)
-
-
-def hf_reference(model_dir: Path, prompt: list[int], steps: int) -> tuple[list[int], list[list[int]]]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False, output_scores=True,
-                             return_dict_in_generate=True)
-    return out.sequences[0, len(prompt):].tolist(), [s[0].topk(5).indices.tolist() for s in out.scores]
-
-
-def assert_close(ours: tuple[list[int], list[list[int]]], reference: tuple[list[int], list[list[int]]],
-                 label: str) -> int:
-    """vLLM's check_logprobs_close: equal tokens until the first divergence, where each side's token is in the
-    other's top 5; after it the sequences are not compared. Returns the tokens that agreed."""
-    for position, (a, b) in enumerate(zip(ours[0], reference[0])):
-        if a != b:
-            assert a in reference[1][position] and b in ours[1][position], (
-                f"{label}: position {position}: ours {a} (top 5 {ours[1][position]}), reference {b} "
-                f"(top 5 {reference[1][position]})")
-            return position
-    return len(ours[0])
 
 
 @pytest.mark.slow
