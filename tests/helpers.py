@@ -252,6 +252,15 @@ class Recorder:
 
 # --- The fast runner's references -----------------------------------------------------------------------------
 
+def save_random_llama(path: Path, **config: Any) -> Path:
+    """A Llama of this config (tied embeddings) with random weights, seed 0, saved to `path`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **config)).save_pretrained(path)
+    return path
+
+
 def greedy(runner: LoadedModel, prompts: list[list[int]], steps: int) -> list[tuple[list[int], list[list[int]]]]:
     """Each prompt's greedy tokens and the top 5 at every position, prompts prefilled one by one and decoded
     together as the decode engine does: a paged cache, one batch."""

@@ -15,7 +15,7 @@ from model_runner.attention import reference_decode_attention, reference_rope_an
 from model_runner.loading import LoadedModel, ModelConfig
 from model_runner.paged_cache import BLOCK_SIZE, PagedKVCache, pieces_of
 from protos.types import SamplingParams
-from tests.helpers import EngineStream, assert_close, decode_alone, greedy, hf_reference
+from tests.helpers import EngineStream, assert_close, decode_alone, greedy, hf_reference, save_random_llama
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on CI's machine)")
 
@@ -25,15 +25,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 4-layer random Llama with SmolLM2-135M's layer shapes: 64-wide heads, 3 q heads to each kv head."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("cuda-llama")
-    config = LlamaConfig(vocab_size=8192, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
-                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=1024,
-                         tie_word_embeddings=True)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return save_random_llama(tmp_path_factory.mktemp("cuda-llama"), vocab_size=8192, hidden_size=576,
+                             intermediate_size=1536, num_hidden_layers=4, num_attention_heads=9,
+                             num_key_value_heads=3, head_dim=64, max_position_embeddings=1024)
 
 
 def _on_gpu(model_dir: Path, dtype: str) -> LoadedModel:

@@ -13,7 +13,7 @@ from model_runner import forward
 from model_runner.loading import ModelConfig, load_model
 from model_runner.paged_cache import BLOCK_SIZE, OutOfBlocks, PagedKVCache, pieces_of
 from pdserve.client import generate
-from tests.helpers import assert_close, assert_nothing_held, greedy, hf_reference, start_cluster
+from tests.helpers import assert_close, assert_nothing_held, greedy, hf_reference, save_random_llama, start_cluster
 
 QUALITY_PROMPTS = [
     "The capital of France is",
@@ -46,15 +46,9 @@ def test_fast_runner_agrees_with_hugging_face_in_fp32_and_bf16(default_model_dir
 def head64_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer random Llama with 64-wide heads, 3 q heads to each kv head, as SmolLM2 has (the prompt-attention
     kernel serves head dims that are multiples of 64; the session's tiny model has 16)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("head64-llama")
-    config = LlamaConfig(vocab_size=49152, hidden_size=192, intermediate_size=1536, num_hidden_layers=2,
-                         num_attention_heads=3, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
-                         tie_word_embeddings=True)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return save_random_llama(tmp_path_factory.mktemp("head64-llama"), vocab_size=49152, hidden_size=192,
+                             intermediate_size=1536, num_hidden_layers=2, num_attention_heads=3,
+                             num_key_value_heads=1, head_dim=64, max_position_embeddings=512)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
