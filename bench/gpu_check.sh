@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA device, in one run (CI has none, so they skip there):
-#   1. tests/test_cuda.py and the KV wire's GPU test (device -> pinned host -> wire -> device);
+#   1. the tests marked gpu: tests/test_cuda.py and the KV wire's (device -> pinned host -> wire -> device);
 #   2. `pdserve bench decode --device cuda` on random Llamas of Llama 3.2 1B's and Llama 3.1 8B's shapes, at
 #      batch 1, 8 and 64, with CUDA graphs, and at batch 8 without them (PDSERVE_CUDA_GRAPHS=0);
 #   3. how far a row's logits move between running alone and in a batch of 8 on the GPU (batch invariance).
@@ -12,8 +12,7 @@ mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 "$py" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
 
-"$py" -m pytest -q -rA -p no:cacheprovider tests/test_cuda.py \
-    "tests/test_kv_wire.py::test_kv_on_a_gpu_leaves_through_pinned_memory_and_lands_on_a_gpu" 2>&1 \
+"$py" -m pytest -q -rA -p no:cacheprovider -m gpu tests/test_cuda.py tests/test_kv_wire.py 2>&1 \
     | tee "$out/tests.log" | tail -n 30
 
 for batch in 1 8 64; do

@@ -17,7 +17,8 @@ from model_runner.paged_cache import BLOCK_SIZE, PagedKVCache, pieces_of
 from protos.types import SamplingParams
 from tests.helpers import EngineStream, assert_close, decode_alone, greedy, hf_reference, save_random_llama
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on CI's machine)")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on CI's machine)")]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -176,6 +176,7 @@ def test_host_bytes_is_a_view_where_it_can_be_and_a_copy_otherwise() -> None:
     assert np.array_equal(host_bytes(kv, torch.float16), kv.to(torch.float16).view(-1).view(torch.uint8).numpy())
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on the reference machine)")
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_kv_on_a_gpu_leaves_through_pinned_memory_and_lands_on_a_gpu(transport: str) -> None:
