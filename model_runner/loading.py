@@ -134,6 +134,8 @@ def load_model(model_dir: Path, dtype: str = "bfloat16", device: str = "cpu", ma
         raise ValueError(f"--dtype {dtype!r}: expected one of {sorted(DTYPES)}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {device!r}: CUDA is not available on this machine")
+    if device.startswith("cuda") and torch.device(device).index is not None:
+        torch.cuda.set_device(torch.device(device))  # Triton launches, graph captures and streams use the current one
     if runner not in RUNNERS:
         raise ValueError(f"--runner {runner!r}: expected one of {', '.join(RUNNERS)}")
     unsupported = llama.supports(model_dir) if runner != "hf" else "--runner hf"
