@@ -134,8 +134,11 @@ def load_model(model_dir: Path, dtype: str = "bfloat16", device: str = "cpu", ma
         raise ValueError(f"--dtype {dtype!r}: expected one of {sorted(DTYPES)}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {device!r}: CUDA is not available on this machine")
-    if device.startswith("cuda") and torch.device(device).index is not None:
-        torch.cuda.set_device(torch.device(device))  # Triton launches, graph captures and streams use the current one
+    index = torch.device(device).index if device.startswith("cuda") else None
+    if index is not None:
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        torch.cuda.set_device(index)  # Triton launches, graph captures and streams use the current device
     if runner not in RUNNERS:
         raise ValueError(f"--runner {runner!r}: expected one of {', '.join(RUNNERS)}")
     unsupported = llama.supports(model_dir) if runner != "hf" else "--runner hf"
