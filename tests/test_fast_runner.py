@@ -91,6 +91,17 @@ def test_runner_choice(tiny_model_dir: Path, tmp_path: Path) -> None:
         load_model(other, runner="fast")
 
 
+def test_a_device_that_is_not_here_is_refused_by_name(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="expected cpu or cuda"):
+        ModelConfig(model=str(tiny_model_dir), device="tpu")
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"this machine has \d+ CUDA device"):
+            load_model(tiny_model_dir, device=f"cuda:{torch.cuda.device_count()}")
+    else:
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            load_model(tiny_model_dir, device="cuda")
+
+
 def test_paged_cache_hands_out_and_takes_back_blocks() -> None:
     cache = PagedKVCache(num_layers=2, num_blocks=5, num_kv_heads=2, head_dim=4, dtype=torch.float32,
                          device=torch.device("cpu"))
