@@ -22,6 +22,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -94,13 +95,17 @@ def read_bandwidth(device: torch.device = CPU, nbytes: int = 1 << 30, repeats: i
     """GB/s at which memory is read: on the CPU, the best of `repeats` sums over `nbytes` by this process's torch
     threads; on a GPU, a device-to-device copy of `nbytes`, counting the bytes read and written."""
     data = torch.ones(nbytes // 4, device=device)
-    target = torch.empty_like(data) if device.type != "cpu" else data
-    moved = 2 * nbytes if device.type != "cpu" else nbytes
+    read: Callable[[], torch.Tensor]
+    if device.type == "cpu":
+        read, moved = lambda: data.sum(), nbytes
+    else:
+        target = torch.empty_like(data)
+        read, moved = lambda: target.copy_(data), 2 * nbytes
     best = float("inf")
     for _ in range(repeats + 1):  # the first one warms up
         _sync(device)
         started = time.perf_counter()
-        target.copy_(data) if device.type != "cpu" else data.sum()
+        read()
         _sync(device)
         best = min(best, time.perf_counter() - started)
     return moved / best / 1e9

@@ -62,10 +62,12 @@ def decode_ops(device: torch.device, dtype: torch.dtype) -> DecodeOps:
                          rope_and_store=ops.rope_and_store, rms_norm=ops.rms_norm)
     gpu = gpu_kernels() if mode != "torch" and device.type == "cuda" else None
     if gpu is not None:
-        return DecodeOps(attend=gpu.paged_decode_attention, rope_and_store=gpu.rope_and_store,
-                         rms_norm=lambda x, weight, eps: torch.rms_norm(x, (x.shape[-1],), weight, eps))
-    return DecodeOps(attend=reference_decode_attention, rope_and_store=reference_rope_and_store,
-                     rms_norm=lambda x, weight, eps: torch.rms_norm(x, (x.shape[-1],), weight, eps))
+        return DecodeOps(attend=gpu.paged_decode_attention, rope_and_store=gpu.rope_and_store, rms_norm=_rms_norm)
+    return DecodeOps(attend=reference_decode_attention, rope_and_store=reference_rope_and_store, rms_norm=_rms_norm)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 @functools.cache

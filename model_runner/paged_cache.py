@@ -126,7 +126,6 @@ class PagedKVCache:
         return DecodeBatch(positions=pos.to(self.device), slots=slots.to(self.device),
                            block_tables=table.to(self.device), context_lens=(pos + 1).to(torch.int32).to(self.device))
 
-
     def _packed_batch(self, tables: list[list[int]], positions: list[int]) -> DecodeBatch:
         width = max(map(len, tables))
         rows = [[position, blocks[position // self.block_size] * self.block_size + position % self.block_size,

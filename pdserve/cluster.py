@@ -23,7 +23,7 @@ from serving.tls import channel as tls_channel
 
 # tokens: ~40 ms of bf16 prefill on one core with AMX. On an AVX2-only EPYC the same chunk takes ~100 ms, and the
 # decode worker's --prefill-pass-ms (35 by default) pauses it at a layer boundary for a decode step (layered
-# prefill), so a running stream still waits about a step plus 50 ms at most (docs/benchmarks.md, "serve")
+# prefill), so a running stream still waits about a step plus 35 ms at most (docs/benchmarks.md, "serve")
 COLOCATED_CHUNK = 32
 
 
