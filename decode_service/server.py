@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -215,21 +216,22 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             logs.for_request(request.request_id)
             await require_peer(context, "gateway", "Generate (a decode reservation)")
             generated = 0
-            try:
-                async for event in self._generate(request, context):
-                    if event.WhichOneof("event") == "reserved":
-                        span.add_event("reserved")
-                    else:
-                        generated += len(event.tokens.token_ids)
-                        if event.tokens.finish_reason:
-                            span.set_attribute("pdserve.finish_reason", event.tokens.finish_reason)
-                    yield event
+            try:  # aclosing: when grpc drops this generator, _generate frees the request now, not at GC
+                async with contextlib.aclosing(self._generate(request, context)) as events:
+                    async for event in events:
+                        if event.WhichOneof("event") == "reserved":
+                            span.add_event("reserved")
+                        else:
+                            generated += len(event.tokens.token_ids)
+                            if event.tokens.finish_reason:
+                                span.set_attribute("pdserve.finish_reason", event.tokens.finish_reason)
+                        yield event
             finally:  # once, not per token
                 span.set_attribute("pdserve.output_tokens", generated)
 
     async def _generate(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[decode_pb2.DecodeEvent]:
+    ) -> AsyncGenerator[decode_pb2.DecodeEvent, None]:
         params = await self._params(request, context)
         try:
             reservation = self.table.reserve(params)
@@ -249,7 +251,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 shm_segment=reservation.segment.name if reservation.segment else ""))
             async for token_ids, reason in self._relay(reservation, context):
                 yield decode_pb2.DecodeEvent(tokens=decode_pb2.DecodedTokens(token_ids=token_ids, finish_reason=reason))
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: cancelled while grpc wrote our last event
             self.metrics.count("pdserve_cancellations")
             raise
         finally:  # done, cancelled, expired or failed: free everything this request holds

@@ -306,15 +306,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 async with contextlib.aclosing(handle) as responses:
                     async for response in responses:
                         now = time.perf_counter()
+                        tokens = len(response.token_ids)
                         if not generated:
                             span.add_event("first token")
                             self.metrics.observe("pdserve_time_to_first_token_seconds", now - arrived)
-                        elif response.token_ids:  # tokens that arrive together share the gap
-                            self.metrics.observe("pdserve_inter_token_latency_seconds",
-                                                 (now - last) / len(response.token_ids), len(response.token_ids))
+                            if tokens > 1:  # tokens that came with the first one: no gap after it
+                                self.metrics.observe("pdserve_inter_token_latency_seconds", 0.0, tokens - 1)
+                        elif tokens:  # tokens that arrive together share the gap
+                            self.metrics.observe("pdserve_inter_token_latency_seconds", (now - last) / tokens, tokens)
                         last = now
-                        generated += len(response.token_ids)
-                        self.metrics.count("pdserve_generation_tokens", len(response.token_ids))
+                        generated += tokens
+                        self.metrics.count("pdserve_generation_tokens", tokens)
                         if response.finish_reason:
                             finished = True
                             self._finished(response, now - arrived, generated)

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -208,15 +209,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         ) as span:
             logs.for_request(request.request_id)
             await require_peer(context, "gateway", "Prefill")
-            async for event in self._prefill(request, context):
-                if event.WhichOneof("event") == "first_token":
-                    span.add_event("first token", {"pdserve.queue_ms": event.first_token.queue_ms,
-                                                   "pdserve.forward_ms": event.first_token.forward_ms})
-                yield event
+            # aclosing: when grpc drops this generator, _prefill stops its work now, not at GC
+            async with contextlib.aclosing(self._prefill(request, context)) as events:
+                async for event in events:
+                    if event.WhichOneof("event") == "first_token":
+                        span.add_event("first token", {"pdserve.queue_ms": event.first_token.queue_ms,
+                                                       "pdserve.forward_ms": event.first_token.forward_ms})
+                    yield event
 
     async def _prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[prefill_pb2.PrefillEvent]:
+    ) -> AsyncGenerator[prefill_pb2.PrefillEvent, None]:
         token_ids, sampling = await self._validate(request, context)
         loop = asyncio.get_running_loop()
         spec = self.spec
@@ -275,7 +278,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 kv_bytes=sender.bytes_sent, chunks=sender.chunks_sent,
                 exposed_ms=(done - ended) * 1e3, transfer_ms=(done - push.started_at) * 1e3,
                 transport=sender.transport))
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: cancelled while grpc wrote an event
             self.metrics.count("pdserve_cancellations")
             raise
         finally:  # finished, refused, cancelled or failed: stop computing, stop sending, end the span

@@ -54,6 +54,21 @@ def test_latency_histograms_and_token_counters_move_when_requests_run(tiny_clust
     assert moved("pdserve_prompt_tokens_total") == completion.usage.prompt_tokens
 
 
+def test_tokens_that_reach_the_client_with_the_first_one_still_count_their_gaps(tiny_cluster: Cluster) -> None:
+    # A stop string that the whole output begins holds every token back until the last flushes them together.
+    # Six tokens are still five gaps: the five that came with the first are gaps of zero.
+    request = dict(prompt="Hi there", max_tokens=6, ignore_eos=True, temperature=0)
+    plain = generate(tiny_cluster.gateway.address, timeout=60, **request)
+    before = scrape(tiny_cluster.gateway.metrics)
+    responses = list(stream(tiny_cluster.gateway.address, 60, **request, stop=[plain.text + "\u2603 never generated"]))
+    after = scrape(tiny_cluster.gateway.metrics)
+    assert [list(r.token_ids) for r in responses] == [list(plain.token_ids)]  # held back, then released together
+    gaps = "pdserve_inter_token_latency_seconds_count"
+    assert after[gaps] - before[gaps] == 5
+    assert after["pdserve_inter_token_latency_seconds_sum"] == before["pdserve_inter_token_latency_seconds_sum"]
+    assert after["pdserve_generation_tokens_total"] - before["pdserve_generation_tokens_total"] == 6
+
+
 def test_worker_histograms_and_kv_transfer_counters_move_by_path(tiny_cluster: Cluster) -> None:
     def totals() -> dict[str, float]:
         found: dict[str, float] = {}
