@@ -11,10 +11,12 @@ Requests go to /v1/completions (or /v1/chat/completions with `--api chat`): gree
 `max_tokens`) and `stream_options.include_usage`. Each prompt opens with a fresh nonce and a counter, so no
 prompt shares a prefix with another (no prefix cache helps anyone, nor a rerun against a warm server); the
 words after it come from a fixed list and a seeded RNG, so every system and every run gets the same text.
-A token's arrival is the arrival of a streamed chunk with non-empty text; the output token count is the
-server's usage when it reports one, else the chunk count. Per system: chat TTFT p50/p99, chat ITL (gaps between
-chunks) p50/p99/max, chats completed, document TTFT p50, output tokens/s, and goodput: requests per second that
-met the SLO (TTFT <= `--slo-ttft` and time per output token after the first <= `--slo-tpot`).
+A token's arrival is the arrival of a streamed chunk with a choice, its text empty or not (a special token's
+chunk has none), but for the chat's opening chunk that names the role: vLLM's own benchmark counts them so. The
+output token count is the server's usage when it reports one, else the chunk count. Per system: chat TTFT
+p50/p99, chat ITL (gaps between chunks) p50/p99/max, chats completed, document TTFT p50, output tokens/s, and
+goodput: requests per second that met the SLO (TTFT <= `--slo-ttft` and time per output token after the first
+<= `--slo-tpot`).
 """
 
 from __future__ import annotations
@@ -201,8 +203,9 @@ def on_event(record: Record, data: str, elapsed: float) -> None:
         record.error = str(error.get("message", error) if isinstance(error, dict) else error)[:200]
         return
     for choice in payload.get("choices") or []:
-        text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
-        if text:
+        # Every chunk with a choice is a token's arrival, its text empty or not (a special token), as vLLM's
+        # benchmark counts them; but for the chat's opening chunk, which names the role and carries no token.
+        if "role" not in (choice.get("delta") or {}):
             record.token_times.append(elapsed)
         if choice.get("finish_reason"):
             record.done = True

@@ -26,10 +26,18 @@ class IncrementalDetokenizer:
         decode = self._tokenizer.decode
         prefix = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
         full = decode(self._ids[self._prefix_offset :], skip_special_tokens=True)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        if full == prefix:  # tokens without text (special ones, skipped): done, not held
+            self._read_offset = len(self._ids)
+            return ""
+        if len(full) < len(prefix) or full.endswith("\ufffd"):
             return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         return full[len(prefix) :]
+
+    @property
+    def holding(self) -> bool:
+        """Whether the newest tokens' text is still held back (half a character)."""
+        return self._read_offset < len(self._ids)
 
     def flush(self) -> str:
         """The text still held back, once no token follows: a character the last token left unfinished comes out
@@ -108,6 +116,7 @@ class TextStream:
 
     A token id goes out with the last of its text, so a piece's text is the text of its ids (gateway.proto), and
     a token that is still held back (half a character, or a tail that may begin a stop string) is held with it.
+    A token without text (a special one, skipped) goes out at once, with empty text, unless text before it is held.
     When a stop string ends generation, the text ends where it begins, and only the tokens whose text ends there
     or before go out: none of the stop string's tokens, though one that straddles its start lends its head to the
     text. The last piece flushes everything else (`last`), so no text is lost at the end. Tokens are taken one at
@@ -131,11 +140,12 @@ class TextStream:
         for token in token_ids:
             self.consumed += 1
             self._undecoded.append(token)
-            stopped = self._feed(self._detokenizer.add([token]))
+            delta = self._detokenizer.add([token])
+            stopped = self._feed(delta, done=not self._detokenizer.holding)
             if stopped:
                 break
         if last and not stopped:
-            stopped = self._feed(self._detokenizer.flush(), flush=True)
+            stopped = self._feed(self._detokenizer.flush(), done=True)
             if not stopped:
                 self._safe += self._stops.flush()
         safe_end = self._sent_chars + len(self._safe)
@@ -148,8 +158,8 @@ class TextStream:
         self._sent_chars += len(text)
         return text, ids, stopped
 
-    def _feed(self, delta: str, flush: bool = False) -> bool:
-        if delta or flush:  # the tokens held so far end together: the delta is the text of all of them
+    def _feed(self, delta: str, done: bool) -> bool:
+        if done:  # the tokens held so far end together: the delta is the text of all of them
             self._decoded_chars += len(delta)
             self._decoded.extend((token, self._decoded_chars) for token in self._undecoded)
             self._undecoded = []

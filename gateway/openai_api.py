@@ -277,8 +277,11 @@ class OpenAIServer:
         response: gateway_pb2.GenerateResponse | None = first
         try:
             while response is not None:
-                if response.text or response.finish_reason:
-                    await send(reply.chunk(response.text, response.finish_reason or None, include_usage))
+                if response.text or response.token_ids or response.finish_reason:
+                    # a token without text (a special one) is still a chunk, with content "", as vLLM sends it
+                    empty = reply.chat and response.token_ids and not response.text
+                    delta = {"content": ""} if empty else response.text
+                    await send(reply.chunk(delta, response.finish_reason or None, include_usage))
                 if response.finish_reason:
                     if include_usage:
                         await send(reply.usage_chunk(response.usage))

@@ -24,17 +24,18 @@ def test_sse_parser_joins_events_split_anywhere() -> None:
     assert SSEParser().feed(b"data: no blank line yet\n") == []
 
 
-def test_on_event_counts_text_chunks_and_reads_usage_and_errors() -> None:
+def test_on_event_counts_token_chunks_and_reads_usage_and_errors() -> None:
     record = Record("chat")
     on_event(record, '{"choices": [{"delta": {"role": "assistant", "content": ""}}]}', 0.1)  # chat's opening
     on_event(record, '{"choices": [{"text": "Hello", "finish_reason": null}], "usage": null}', 0.2)
-    on_event(record, '{"choices": [{"delta": {"content": " there"}, "finish_reason": null}]}', 0.3)
-    on_event(record, '{"choices": [{"text": "", "finish_reason": "length"}]}', 0.4)  # held-back text: no token
-    on_event(record, '{"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}}', 0.4)
+    on_event(record, '{"choices": [{"delta": {"content": ""}, "finish_reason": null}]}', 0.3)  # a special token
+    on_event(record, '{"choices": [{"delta": {"content": " there"}, "finish_reason": null}]}', 0.35)
+    on_event(record, '{"choices": [{"text": "", "finish_reason": "length"}]}', 0.4)  # the token that ended it
+    on_event(record, '{"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 5}}', 0.4)
     on_event(record, "[DONE]", 0.4)
-    assert record.token_times == [0.2, 0.3] and record.done and record.ok
-    assert (record.usage_tokens, record.prompt_tokens, record.output_tokens) == (3, 7, 3)
-    assert record.tpot == pytest.approx(0.1 / 2)  # two gaps' worth of tokens by usage, one chunk gap measured
+    assert record.token_times == [0.2, 0.3, 0.35, 0.4] and record.done and record.ok
+    assert (record.usage_tokens, record.prompt_tokens, record.output_tokens) == (5, 7, 5)
+    assert record.tpot == pytest.approx(0.2 / 4)  # four gaps' worth of tokens by usage
 
     failed = Record("doc")
     on_event(failed, '{"error": {"message": "overloaded", "code": 503}}', 0.5)

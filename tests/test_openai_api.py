@@ -3,6 +3,7 @@ API keys on both transports."""
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import os
@@ -11,12 +12,14 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import grpc
 import openai
 import pytest
 from transformers import AutoTokenizer
 
 from gateway.auth import API_KEYS_ENV, ApiKeys
+from gateway.openai_api import OpenAIServer
 from gateway.request import MAX_STOP_CHARS
 from pdserve.client import generate, stream
 from pdserve.cluster import Cluster
@@ -278,3 +281,33 @@ def test_a_stop_string_s_tokens_are_not_returned_and_the_text_is_their_text(clie
                                           stop=[stop], extra_body={"ignore_eos": True})
     assert over_http.choices[0].text == head and over_http.choices[0].finish_reason == "stop"
     assert_nothing_held(keyed)
+
+
+def test_a_token_without_text_streams_as_a_chunk_with_empty_content() -> None:
+    """A special token's response (token ids, no text) is a chunk of its own with content "", as vLLM sends it:
+    before, it waited for the next token's text, and a streaming client saw a gap of two steps. The HTTP layer
+    alone, over a servicer that streams fixed responses."""
+
+    class Streams:
+        keys = ApiKeys([])
+
+        async def stream(self, request, deadline, metadata):  # type: ignore[no-untyped-def]
+            yield gateway_pb2.GenerateResponse(request_id="r1", token_ids=[42], text="Hi")
+            yield gateway_pb2.GenerateResponse(request_id="r1", token_ids=[2])  # <|im_end|>: skipped text
+            yield gateway_pb2.GenerateResponse(request_id="r1", token_ids=[43], text="!", finish_reason="length")
+
+    async def chunks() -> list[dict]:  # type: ignore[type-arg]
+        server = OpenAIServer(Streams(), MODEL)
+        address = await server.start("127.0.0.1", 0)
+        try:
+            async with aiohttp.ClientSession() as session, session.post(
+                    f"http://{address}/v1/chat/completions", json={"model": MODEL, "stream": True, "messages": CHAT,
+                                                                  "max_tokens": 3}) as response:
+                body = await response.text()
+        finally:
+            await server.stop()
+        return [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]
+
+    deltas = [(c["choices"][0]["delta"], c["choices"][0]["finish_reason"]) for c in asyncio.run(chunks())]
+    assert deltas == [({"role": "assistant", "content": ""}, None), ({"content": "Hi"}, None),
+                      ({"content": ""}, None), ({"content": "!"}, "length")]

@@ -39,6 +39,22 @@ def test_emoji_split_across_tokens_is_held_until_whole(tokenizer) -> None:
     assert [detok.add([t]) for t in ids] == [""] * (len(ids) - 1) + ["🚀"]
 
 
+def test_a_token_without_text_goes_out_at_once_unless_half_a_character_is_held(tokenizer) -> None:
+    """A special token (skipped text) is complete: it goes out in its own piece, with empty text, not with the next
+    token's text a step later (which looked like a stall of two steps to a streaming client). After half a
+    character it waits with it."""
+    im_end, im_start = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|im_start|>"])
+    hello, newline = (tokenizer(t, add_special_tokens=False).input_ids for t in ("Hello", "\n"))
+    stream = TextStream(tokenizer, [], [])
+    pieces = [stream.add([t], last=False) for t in [*hello, im_end, *newline, im_start]]
+    assert pieces[-3:] == [("", [im_end], False), ("\n", newline, False), ("", [im_start], False)]
+    rocket = tokenizer("🚀", add_special_tokens=False).input_ids
+    cut = TextStream(tokenizer, [], [])
+    assert cut.add(rocket[:1], last=False) == ("", [], False)
+    assert cut.add([im_end], last=False) == ("", [], False)  # behind half a character: held with it
+    assert cut.add(rocket[1:], last=True)[1] == [*rocket[:1], im_end, *rocket[1:]]
+
+
 def test_stop_string_across_deltas_is_cut_and_not_emitted() -> None:
     stops = StopMatcher(["END"])
     assert stops.feed("abc E") == ("abc ", False)  # "E" might start "END": held back
