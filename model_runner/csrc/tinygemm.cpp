@@ -398,10 +398,13 @@ struct RowTiles {
 constexpr int64_t kSpanBytes2 = 320 << 10;  // weights per span when rows take several passes (L2: 512 KB+)
 constexpr int64_t kPiece2 = 64;  // steps per piece when two row tiles take turns (4 KB of a float32 block)
 
-// The prefetches of `prefetch`, without the AVX-512 target
-inline void prefetch2(const Tile& t, int j, int64_t s, const char* line) {
+// The prefetches of `prefetch`, without the AVX-512 target: the far one (into L2), then the near one
+inline void prefetch_far2(const Tile& t, int j, int64_t s, const char* line) {
   if (s + kFar < t.steps) _mm_prefetch(line + kFar * kLine, _MM_HINT_T1);
   else if (j < t.next_blocks) _mm_prefetch(t.next + j * t.block_bytes + (s + kFar - t.steps) * kLine, _MM_HINT_T1);
+}
+inline void prefetch2(const Tile& t, int j, int64_t s, const char* line) {
+  prefetch_far2(t, j, s, line);
   _mm_prefetch(line + kNear * kLine, _MM_HINT_T0);
 }
 
@@ -512,10 +515,7 @@ PDS_AVX2 void piece2(const Tile& t, int64_t s0, int64_t s1, bool lead) {
   for (int64_t s = s0; s < s1; ++s, xp += kX) {
     const char* line = t.w + s * kLine;
     // the far prefetches shared by the two tiles, so the stream from memory runs while either computes
-    if ((s & 1) == (lead ? 0 : 1)) {
-      if (s + kFar < t.steps) _mm_prefetch(line + kFar * kLine, _MM_HINT_T1);
-      else if (t.next_blocks) _mm_prefetch(t.next + (s + kFar - t.steps) * kLine, _MM_HINT_T1);
-    }
+    if ((s & 1) == (lead ? 0 : 1)) prefetch_far2(t, 0, s, line);
     if (lead) _mm_prefetch(line + kNear * kLine, _MM_HINT_T0);
     step2<R, 1, BF16>(acc, line, t.block_bytes, xp);
   }
