@@ -343,9 +343,9 @@ PDS_AVX512 void weigh_span(const Span<T>& sp, const float* weights, int64_t padd
 // ends, so the stream of misses does not stop between passes.
 //
 // With in_order, head h prefetches the h-th share of the target block's bytes rather than its own rows: where
-// the pass covers whole rows of the cache (all its kv heads), the block's tokens are one contiguous run, and
-// prefetched front to back they are a stream the hardware prefetcher joins. On the AVX2 EPYC that took decode
-// attention from 2.4x to 1.8x its floor (float32); head h's own rows, 4 lines of every 12, it does not follow.
+// the pass covers whole rows of the cache (all its kv heads), the block's tokens are one contiguous run, fetched
+// front to back. On the AVX2 EPYC that took decode attention from 2.4x to 1.8x its floor (float32) against
+// prefetching head h's own rows, 4 lines of every 12 (docs/benchmarks.md, "attention").
 template <typename T>
 Span<T> span_of(const Pass<T>& pass, const Pass<T>& next, int64_t j, int64_t h, int64_t blocks_ahead = kAhead,
                 bool in_order = false) {
