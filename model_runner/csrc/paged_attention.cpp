@@ -479,39 +479,9 @@ PDS_AVX2 inline void stage_key(const ScoreSink8& sink, int64_t pos, const __m256
   }
 }
 
-// Adds the dot products of HC q heads (qf: (HC, D) float32) with NK keys over dims i..i+7 to acc.
-template <typename T, int HC, int NK>
-PDS_AVX2 __attribute__((always_inline)) inline void dot_chunk(const float* qf, int64_t D, const T* const (&k)[NK],
-                                                              int64_t i, __m256 (&acc)[NK][HC]) {
-  __m256 kv[NK];
-  for (int n = 0; n < NK; ++n) kv[n] = load8(k[n] + i);
-  for (int g = 0; g < HC; ++g) {
-    const __m256 qv = _mm256_loadu_ps(qf + g * D + i);
-    for (int n = 0; n < NK; ++n) acc[n][g] = _mm256_fmadd_ps(qv, kv[n], acc[n][g]);
-  }
-}
-
-// Dot products of HC q heads with NK keys: out[n][g] holds key n's 8 lane sums for q head g. Even and odd 8-dim
-// chunks go to separate sums, added at the end, so each chain of dependent FMAs is half as long (the chains'
-// latency, not the FMA units, bound the whole-D chains). A key's arithmetic is the same whatever NK is.
-template <typename T, int HC, int NK>
-PDS_AVX2 __attribute__((always_inline)) inline void dot_keys(const float* qf, int64_t D, const T* const (&k)[NK],
-                                                             __m256 (&out)[NK][HC]) {
-  __m256 odd[NK][HC];
-  for (int n = 0; n < NK; ++n)
-    for (int g = 0; g < HC; ++g) out[n][g] = odd[n][g] = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= D; i += 16) {
-    dot_chunk<T, HC, NK>(qf, D, k, i, out);
-    dot_chunk<T, HC, NK>(qf, D, k, i + 8, odd);
-  }
-  if (i < D) dot_chunk<T, HC, NK>(qf, D, k, i, out);
-  for (int n = 0; n < NK; ++n)
-    for (int g = 0; g < HC; ++g) out[n][g] = _mm256_add_ps(out[n][g], odd[n][g]);
-}
-
-// Dot products of HC q heads with the keys of one span, two keys at a time so that each load of q serves both:
-// 4 HC sums, two keys' vectors and q's in registers.
+// Dot products of HC q heads (qf: (HC, D) float32) with the keys of one span, two keys at a time so that each
+// load of q serves both (a key's arithmetic is the same alone or paired): 2 HC sums, two keys' vectors and q's
+// in registers.
 // Not inlined (nor weigh_span8): inlined into attend_avx2, every variant at once, GCC spilled their registers
 // and the step took 1.6x as long.
 template <typename T, int HC>
@@ -521,18 +491,31 @@ PDS_AVX2 __attribute__((noinline)) void score_span8(const float* qf, int64_t D, 
   for (; t + 1 < sp.count; t += 2) {
     if (t < sp.ahead_count) prefetch_row8(sp.ahead + t * sp.ahead_stride, D);
     if (t + 1 < sp.ahead_count) prefetch_row8(sp.ahead + (t + 1) * sp.ahead_stride, D);
-    const T* const k[2] = {sp.rows + t * sp.stride, sp.rows + (t + 1) * sp.stride};
-    __m256 acc[2][HC];
-    dot_keys<T, HC, 2>(qf, D, k, acc);
-    stage_key<HC>(sink, sp.pos0 + t, acc[0]);
-    stage_key<HC>(sink, sp.pos0 + t + 1, acc[1]);
+    const T* k0 = sp.rows + t * sp.stride;
+    const T* k1 = k0 + sp.stride;
+    __m256 acc0[HC], acc1[HC];
+    for (int g = 0; g < HC; ++g) acc0[g] = acc1[g] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < D; i += 8) {
+      const __m256 kv0 = load8(k0 + i), kv1 = load8(k1 + i);
+      for (int g = 0; g < HC; ++g) {
+        const __m256 qv = _mm256_loadu_ps(qf + g * D + i);
+        acc0[g] = _mm256_fmadd_ps(qv, kv0, acc0[g]);
+        acc1[g] = _mm256_fmadd_ps(qv, kv1, acc1[g]);
+      }
+    }
+    stage_key<HC>(sink, sp.pos0 + t, acc0);
+    stage_key<HC>(sink, sp.pos0 + t + 1, acc1);
   }
   if (t < sp.count) {
     if (t < sp.ahead_count) prefetch_row8(sp.ahead + t * sp.ahead_stride, D);
-    const T* const k[1] = {sp.rows + t * sp.stride};
-    __m256 acc[1][HC];
-    dot_keys<T, HC, 1>(qf, D, k, acc);
-    stage_key<HC>(sink, sp.pos0 + t, acc[0]);
+    const T* k = sp.rows + t * sp.stride;
+    __m256 acc[HC];
+    for (int g = 0; g < HC; ++g) acc[g] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < D; i += 8) {
+      const __m256 kv = load8(k + i);
+      for (int g = 0; g < HC; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + i), kv, acc[g]);
+    }
+    stage_key<HC>(sink, sp.pos0 + t, acc);
   }
 }
 
