@@ -162,16 +162,20 @@ struct Tile {
 };
 
 // Prefetches for block j's stream at step s (line = its line s): kFar lines on into L2 (into the next tile's
-// blocks once this one's run out, so the next tile starts warm) and kNear lines on into L1.
-PDS_AVX512 inline void prefetch(const Tile& t, int j, int64_t s, const char* line) {
+// blocks once this one's run out, so the next tile starts warm) and kNear lines on into L1. These prefetch
+// helpers carry no target attribute: the AVX-512 and the AVX2 tiles both inline them.
+inline void prefetch_far(const Tile& t, int j, int64_t s, const char* line) {
   if (s + kFar < t.steps) _mm_prefetch(line + kFar * kLine, _MM_HINT_T1);
   else if (j < t.next_blocks) _mm_prefetch(t.next + j * t.block_bytes + (s + kFar - t.steps) * kLine, _MM_HINT_T1);
+}
+inline void prefetch(const Tile& t, int j, int64_t s, const char* line) {
+  prefetch_far(t, j, s, line);
   _mm_prefetch(line + kNear * kLine, _MM_HINT_T0);
 }
 
 // The first lines of a thread's first tile, which no earlier tile has prefetched: requested all at once, so
 // they arrive together rather than each stream waiting for its own.
-PDS_AVX512 inline void warm_up(const Tile& t, int nb) {
+inline void warm_up(const Tile& t, int nb) {
   for (int j = 0; j < nb; ++j)
     for (int64_t s = 0; s < std::min<int64_t>(kFar, t.steps); ++s)
       _mm_prefetch(t.w + j * t.block_bytes + s * kLine, _MM_HINT_T1);
@@ -398,16 +402,6 @@ struct RowTiles {
 constexpr int64_t kSpanBytes2 = 320 << 10;  // weights per span when rows take several passes (L2: 512 KB+)
 constexpr int64_t kPiece2 = 64;  // steps per piece when two row tiles take turns (4 KB of a float32 block)
 
-// The prefetches of `prefetch`, without the AVX-512 target: the far one (into L2), then the near one
-inline void prefetch_far2(const Tile& t, int j, int64_t s, const char* line) {
-  if (s + kFar < t.steps) _mm_prefetch(line + kFar * kLine, _MM_HINT_T1);
-  else if (j < t.next_blocks) _mm_prefetch(t.next + j * t.block_bytes + (s + kFar - t.steps) * kLine, _MM_HINT_T1);
-}
-inline void prefetch2(const Tile& t, int j, int64_t s, const char* line) {
-  prefetch_far2(t, j, s, line);
-  _mm_prefetch(line + kNear * kLine, _MM_HINT_T0);
-}
-
 alignas(32) const uint32_t kHigh[8] = {0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u,
                                        0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u};
 
@@ -487,7 +481,7 @@ PDS_AVX2 void tile2(const Tile& t) {
   }
   for (; s < t.steps; ++s, xp += kX) {
 #pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) prefetch2(t, j, s, t.w + j * t.block_bytes + s * kLine);
+    for (int j = 0; j < NB; ++j) prefetch(t, j, s, t.w + j * t.block_bytes + s * kLine);
     step2<R, NB, BF16>(acc, t.w + s * kLine, t.block_bytes, xp);
   }
 #pragma GCC unroll 8
@@ -515,7 +509,7 @@ PDS_AVX2 void piece2(const Tile& t, int64_t s0, int64_t s1, bool lead) {
   for (int64_t s = s0; s < s1; ++s, xp += kX) {
     const char* line = t.w + s * kLine;
     // the far prefetches shared by the two tiles, so the stream from memory runs while either computes
-    if ((s & 1) == (lead ? 0 : 1)) prefetch_far2(t, 0, s, line);
+    if ((s & 1) == (lead ? 0 : 1)) prefetch_far(t, 0, s, line);
     if (lead) _mm_prefetch(line + kNear * kLine, _MM_HINT_T0);
     step2<R, 1, BF16>(acc, line, t.block_bytes, xp);
   }
@@ -630,8 +624,7 @@ void group_avx2(const Problem& pr, int64_t g0, int64_t g1, int64_t end, bool fir
       const int next = static_cast<int>(std::min<int64_t>(1, end - b - 1));
       const Tile ta{xa, rows_a, w, block_bytes, pr.steps, w + block_bytes, next, acc};
       const Tile tb{xb, rows_b, w, block_bytes, pr.steps, w + block_bytes, next, acc_b};
-      if (first && b == g0)
-        for (int64_t s = 0; s < std::min<int64_t>(kFar, pr.steps); ++s) _mm_prefetch(w + s * kLine, _MM_HINT_T1);
+      if (first && b == g0) warm_up(ta, 1);
       for (int64_t s0 = 0; s0 < pr.steps; s0 += kPiece2) {
         const int64_t s1 = std::min(pr.steps, s0 + kPiece2);
         piece2_rows<BF16>(ta, rows_a, s0, s1, true);
@@ -655,10 +648,7 @@ void group_avx2(const Problem& pr, int64_t g0, int64_t g1, int64_t end, bool fir
         const char* w = static_cast<const char*>(pr.w) + b * block_bytes;
         const Tile t{x, rows, w, block_bytes, pr.steps, w + nb * block_bytes,
                      static_cast<int>(std::min<int64_t>(nb, end - b - nb)), acc};
-        if (first && r0 == 0 && b == g0)
-          for (int j = 0; j < nb; ++j)
-            for (int64_t s = 0; s < std::min<int64_t>(kFar, t.steps); ++s)
-              _mm_prefetch(w + j * block_bytes + s * kLine, _MM_HINT_T1);
+        if (first && r0 == 0 && b == g0) warm_up(t, nb);
         tile2_rows<BF16>(t, rows, nb == 1);
         finish_avx2(pr, r0, rows, b, nb, acc);
         b += nb;
