@@ -278,10 +278,8 @@ class OpenAIServer:
         try:
             while response is not None:
                 if response.text or response.token_ids or response.finish_reason:
-                    # a token without text (a special one) is still a chunk, with content "", as vLLM sends it
-                    empty = reply.chat and response.token_ids and not response.text
-                    delta = {"content": ""} if empty else response.text
-                    await send(reply.chunk(delta, response.finish_reason or None, include_usage))
+                    await send(reply.chunk(response.text, response.finish_reason or None, include_usage,
+                                           tokens=bool(response.token_ids)))
                 if response.finish_reason:
                     if include_usage:
                         await send(reply.usage_chunk(response.usage))
@@ -432,9 +430,12 @@ class _Reply:
         reply["usage"] = self._usage(last.usage)
         return reply
 
-    def chunk(self, delta: str | dict[str, str], finish_reason: str | None, include_usage: bool) -> dict[str, Any]:
+    def chunk(self, delta: str | dict[str, str], finish_reason: str | None, include_usage: bool,
+              tokens: bool = False) -> dict[str, Any]:
+        """`tokens`: the chunk carries tokens. A chat chunk has content when it has text or tokens: a token
+        without text (a special one) is a chunk with content "", as vLLM sends it."""
         if self.chat:
-            content = delta if isinstance(delta, dict) else ({"content": delta} if delta else {})
+            content = delta if isinstance(delta, dict) else ({"content": delta} if delta or tokens else {})
             choice = {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}
