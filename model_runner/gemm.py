@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from model_runner import kernels
+from model_runner import host_memory, kernels
 
 # -ffp-contract=off: the portable loops round every product and sum where the source says, never fused.
 KERNEL = kernels.Kernel("tinygemm.cpp", "tinygemm kernel", "F.linear", cflags=("-ffp-contract=off",))
@@ -62,9 +62,9 @@ class PackedWeight:
         return self.data.numel() * self.data.element_size()
 
 
-def pack(weight: torch.Tensor) -> PackedWeight:
-    """Lays out a (N, K) float32 or bfloat16 CPU weight for `linear` (a copy; the weight can be freed). Other
-    weights, and all of them where the kernel is off or cannot be built, are kept as they are."""
+def pack(weight: torch.Tensor, arena: host_memory.Arena | None = None) -> PackedWeight:
+    """Lays out a (N, K) float32 or bfloat16 CPU weight for `linear` (a copy, in `arena` if given; the weight can
+    be freed). Other weights, and all of them where the kernel is off or cannot be built, are kept as they are."""
     n, k = weight.shape
     mode = _mode()
     if not (mode != "torch" and weight.device.type == "cpu" and weight.dtype in _KERNEL_DTYPES and KERNEL.load()):
@@ -80,7 +80,7 @@ def pack(weight: torch.Tensor) -> PackedWeight:
     prompt = None
     if weight.dtype == torch.bfloat16 and amx_prompts():
         prompt = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PROMPT_ROWS)
-    return PackedWeight(data.contiguous(), n, k, mode, prompt)
+    return PackedWeight(data.contiguous() if arena is None else arena.copy(data), n, k, mode, prompt)
 
 
 def unpack(w: PackedWeight) -> torch.Tensor:

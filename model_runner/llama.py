@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from model_runner import gemm, prefill_attention
+from model_runner import gemm, host_memory, prefill_attention
 from model_runner.attention import decode_ops, reference_decode_attention
 from model_runner.cuda_graphs import DecodeGraphs
 from model_runner.prefill_attention import causal_attention
@@ -56,9 +56,10 @@ class Linear:
     post-ops. Each output is reduced over K in one fixed order, so a row gets the same bits alone or in any batch,
     in decode and prefill alike. Where the kernel cannot run (another device, no compiler) F.linear serves."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 arena: host_memory.Arena | None = None) -> None:
         self.bias = bias
-        self.weight = gemm.pack(weight)
+        self.weight = gemm.pack(weight, arena)
 
     @property
     def nbytes(self) -> int:
@@ -124,6 +125,8 @@ class LlamaRunner:
             return weights.pop(name).to(device=device, dtype=dtype).contiguous()
 
         self.embed = take("model.embed_tokens.weight")
+        # on the CPU the packed weights go onto huge pages, one after another in the order a step reads them
+        arena = host_memory.Arena() if device.type == "cpu" else None
         self.layers = []
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -133,16 +136,17 @@ class LlamaRunner:
                 bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
             self.layers.append(Layer(
                 input_norm=take(p + "input_layernorm.weight"),
-                qkv=Linear(qkv, bias),
-                o=Linear(take(p + "self_attn.o_proj.weight")),
+                qkv=Linear(qkv, bias, arena),
+                o=Linear(take(p + "self_attn.o_proj.weight"), arena=arena),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate=Linear(take(p + "mlp.gate_proj.weight")),
-                up=Linear(take(p + "mlp.up_proj.weight")),
-                down=Linear(take(p + "mlp.down_proj.weight")),
+                gate=Linear(take(p + "mlp.gate_proj.weight"), arena=arena),
+                up=Linear(take(p + "mlp.up_proj.weight"), arena=arena),
+                down=Linear(take(p + "mlp.down_proj.weight"), arena=arena),
             ))
         self.norm = take("model.norm.weight")
         head = weights.pop("lm_head.weight", None)
-        self.lm_head = Linear((self.embed if head is None else head.to(device=device, dtype=dtype)).contiguous())
+        self.lm_head = Linear((self.embed if head is None else head.to(device=device, dtype=dtype)).contiguous(),
+                              arena=arena)
         self.cos, self.sin = _rope_tables(config, max_model_len, dtype, device)
         # the prompt-attention kernel where it runs (its SDPA fallback is not chunk-invariant: used wholly or not)
         self._causal_kernel = device.type == "cpu" and prefill_attention.kernel_path(self.head_dim, dtype) != "torch"

@@ -12,12 +12,10 @@ are contiguous, so a decode step writes each sequence's new token with one index
 
 from __future__ import annotations
 
-import math
-import mmap
-
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from model_runner import host_memory
 from model_runner.llama import DecodeBatch
 
 # A prompt's KV as it arrived, ready to be copied into blocks: for each tensor (index layer * 2, + 1 for the
@@ -38,14 +36,13 @@ class OutOfBlocks(Exception):
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zero-filled, and on the CPU committed lazily: an anonymous mapping's pages cost memory only once written.
+    """Zero-filled; on the CPU on huge pages and committed lazily (model_runner/host_memory.py).
 
     Zeros matter for the reference runner, whose attention reads padded positions under a mask: uninitialised
     memory may hold NaN bit patterns, which survive a zero attention weight (NaN * 0 = NaN)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+    return host_memory.zeros(shape, dtype)
 
 
 class PagedKVCache:
