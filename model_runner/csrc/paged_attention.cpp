@@ -752,28 +752,68 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& key_
 
 // ---- The rest of a decode layer's small ops, one call each instead of a dozen torch ops per layer. ----
 
+// One head's rotation: out[i] = x[i] cos[i] + x[i +- D/2] sin[i], the product with sin fused into the sum.
+// Inlined into both callers below: compiled for AVX2 and FMA the loops vectorise and std::fma is one instruction
+// (the portable build calls libm's fma per element: 21 us of a batch-8 layer, 0.6 ms of a 50 ms step). Each
+// element's arithmetic is the same either way, so are the bits.
+template <typename T>
+PDS_INLINE void rotate_head(const T* x, const T* c, const T* s, T* out, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; ++i)
+    store_f32(std::fma(to_f32(x[i + half]), to_f32(s[i]), to_f32(x[i]) * to_f32(c[i])), &out[i]);
+  for (int64_t i = half; i < d; ++i)
+    store_f32(std::fma(to_f32(x[i - half]), to_f32(s[i]), to_f32(x[i]) * to_f32(c[i])), &out[i]);
+}
+
 // Rotary positions on q and k (rotate-half form, as Llama's), then k and v stored at each row's slot of the paged
-// cache. qkv (B, (Hq + 2 Hkv) D); cos, sin (B, D), sin's first half negated; slots (B,) int64. Returns q (B, Hq, D).
+// cache. qkv (B, (Hq + 2 Hkv) D); cos, sin (B, D), sin's first half negated; slots (B,) int64. Rows begin..end.
+template <typename T>
+PDS_INLINE void rope_and_store_range(const T* qkv, int64_t row_stride, const T* cos, const T* sin,
+                                     int64_t trig_stride, const int64_t* slots, T* key, T* value,
+                                     int64_t slot_stride, T* q_out, int64_t begin, int64_t end, int64_t hq,
+                                     int64_t hkv, int64_t d) {
+  for (int64_t b = begin; b < end; ++b) {
+    const T* row = qkv + b * row_stride;
+    const T* c = cos + b * trig_stride;
+    const T* s = sin + b * trig_stride;
+    for (int64_t h = 0; h < hq + hkv; ++h)
+      rotate_head(row + h * d, c, s, h < hq ? q_out + (b * hq + h) * d : key + slots[b] * slot_stride + (h - hq) * d,
+                  d);
+    std::memcpy(value + slots[b] * slot_stride, row + (hq + hkv) * d, sizeof(T) * hkv * d);
+  }
+}
+
+#if PDS_HAVE_AVX512
+template <typename T>
+PDS_AVX2 void rope_and_store_range_avx2(const T* qkv, int64_t row_stride, const T* cos, const T* sin,
+                                        int64_t trig_stride, const int64_t* slots, T* key, T* value,
+                                        int64_t slot_stride, T* q_out, int64_t begin, int64_t end, int64_t hq,
+                                        int64_t hkv, int64_t d) {
+  rope_and_store_range(qkv, row_stride, cos, sin, trig_stride, slots, key, value, slot_stride, q_out, begin, end,
+                       hq, hkv, d);
+}
+#endif
+
+// Returns q (B, Hq, D) through q_out.
 template <typename T>
 void rope_and_store_rows(const T* qkv, int64_t row_stride, const T* cos, const T* sin, int64_t trig_stride,
                          const int64_t* slots, T* key, T* value, int64_t slot_stride, T* q_out, int64_t batch,
                          int64_t hq, int64_t hkv, int64_t d) {
-  const int64_t half = d / 2;
+#if PDS_HAVE_AVX512
+  const bool avx2 = cpu_has_avx2();
+#else
+  const bool avx2 = false;
+#endif
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const T* row = qkv + b * row_stride;
-      const T* c = cos + b * trig_stride;
-      const T* s = sin + b * trig_stride;
-      for (int64_t h = 0; h < hq + hkv; ++h) {
-        const T* x = row + h * d;
-        T* out = h < hq ? q_out + (b * hq + h) * d : key + slots[b] * slot_stride + (h - hq) * d;
-        for (int64_t i = 0; i < d; ++i) {
-          const float swapped = to_f32(x[i < half ? i + half : i - half]);
-          store_f32(std::fma(swapped, to_f32(s[i]), to_f32(x[i]) * to_f32(c[i])), &out[i]);
-        }
-      }
-      std::memcpy(value + slots[b] * slot_stride, row + (hq + hkv) * d, sizeof(T) * hkv * d);
+#if PDS_HAVE_AVX512
+    if (avx2) {
+      rope_and_store_range_avx2(qkv, row_stride, cos, sin, trig_stride, slots, key, value, slot_stride, q_out,
+                                begin, end, hq, hkv, d);
+      return;
     }
+#endif
+    rope_and_store_range(qkv, row_stride, cos, sin, trig_stride, slots, key, value, slot_stride, q_out, begin, end,
+                         hq, hkv, d);
   });
 }
 

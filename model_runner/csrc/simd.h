@@ -18,10 +18,10 @@
 #define PDS_AVX512 __attribute__((target("avx512f,fma")))
 #define PDS_AVX512_BF16 __attribute__((target("avx512f,avx512bf16,fma")))
 #define PDS_AVX2 __attribute__((target("avx2,fma")))
-#define PDS_INLINE inline __attribute__((always_inline))
 #else
 #define PDS_HAVE_AVX512 0
 #endif
+#define PDS_INLINE inline __attribute__((always_inline))
 
 namespace pds {
 
