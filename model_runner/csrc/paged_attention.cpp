@@ -799,14 +799,9 @@ template <typename T>
 void rope_and_store_rows(const T* qkv, int64_t row_stride, const T* cos, const T* sin, int64_t trig_stride,
                          const int64_t* slots, T* key, T* value, int64_t slot_stride, T* q_out, int64_t batch,
                          int64_t hq, int64_t hkv, int64_t d) {
-#if PDS_HAVE_AVX512
-  const bool avx2 = cpu_has_avx2();
-#else
-  const bool avx2 = false;
-#endif
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
 #if PDS_HAVE_AVX512
-    if (avx2) {
+    if (cpu_has_avx2()) {  // (asked of the CPU once)
       rope_and_store_range_avx2(qkv, row_stride, cos, sin, trig_stride, slots, key, value, slot_stride, q_out,
                                 begin, end, hq, hkv, d);
       return;

@@ -536,13 +536,13 @@ PDS_AVX2 void piece2(const Tile& t, int64_t s0, int64_t s1) {
   }
 }
 
-template <bool BF16>
-void piece2_rows(const Tile& t, int rows, int64_t s0, int64_t s1, bool lead) {
+template <bool BF16, bool kLead>
+void piece2_rows(const Tile& t, int rows, int64_t s0, int64_t s1) {
   switch (rows) {  // two tiles of 7-12 rows: 3 to 6 rows each
-    case 3: return lead ? piece2<3, BF16, true>(t, s0, s1) : piece2<3, BF16, false>(t, s0, s1);
-    case 4: return lead ? piece2<4, BF16, true>(t, s0, s1) : piece2<4, BF16, false>(t, s0, s1);
-    case 5: return lead ? piece2<5, BF16, true>(t, s0, s1) : piece2<5, BF16, false>(t, s0, s1);
-    default: return lead ? piece2<6, BF16, true>(t, s0, s1) : piece2<6, BF16, false>(t, s0, s1);
+    case 3: return piece2<3, BF16, kLead>(t, s0, s1);
+    case 4: return piece2<4, BF16, kLead>(t, s0, s1);
+    case 5: return piece2<5, BF16, kLead>(t, s0, s1);
+    default: return piece2<6, BF16, kLead>(t, s0, s1);
   }
 }
 
@@ -643,8 +643,8 @@ void group_avx2(const Problem& pr, int64_t g0, int64_t g1, int64_t end, bool fir
       if (first && b == g0) warm_up(ta, 1);
       for (int64_t s0 = 0; s0 < pr.steps; s0 += kPiece2) {
         const int64_t s1 = std::min(pr.steps, s0 + kPiece2);
-        piece2_rows<BF16>(ta, rows_a, s0, s1, true);
-        piece2_rows<BF16>(tb, rows_b, s0, s1, false);
+        piece2_rows<BF16, true>(ta, rows_a, s0, s1);
+        piece2_rows<BF16, false>(tb, rows_b, s0, s1);
       }
       finish_avx2(pr, tiles.start(0), rows_a, b, 1, acc);
       finish_avx2(pr, tiles.start(1), rows_b, b, 1, acc_b);
