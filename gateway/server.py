@@ -235,7 +235,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     "pdserve_serving_prefill_workers": ("prefill workers routed to: SERVING at their last health poll",
                                                         lambda: sum(w.serving for w in self.prefill.workers)),
                     "pdserve_serving_decode_workers": ("decode workers routed to: SERVING at their last health poll",
-                                                       lambda: sum(w.serving for w in self.decode.workers))},
+                                                       lambda: sum(w.serving for w in self.decode.workers)),
+                    "pdserve_prefix_index_bytes": ("memory of the prefix index kept to route prompts by prefix "
+                                                   "(bounded: 200,000 block names per prefill worker)",
+                                                   lambda: self.prefill.prefixes.nbytes)},
             counters={"pdserve_requests": "requests accepted (valid and not a duplicate id)",
                       "pdserve_cancellations": "requests the client cancelled, left or let expire",
                       "pdserve_retries": "attempts retried on another worker before the first token",

@@ -185,6 +185,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                                      lambda: self._segments.mapped_bytes),
                     "pdserve_prefix_cache_bytes": ("KV bytes held by the prefix cache",
                                                    lambda: self.prefix_cache.bytes if self.prefix_cache else 0),
+                    "pdserve_prefix_cache_pool_bytes": (
+                        "the prefix cache's pool as far as it has been written (resident; at most --prefix-cache-mb)",
+                        lambda: self.prefix_cache.pool_bytes if self.prefix_cache else 0),
                     "pdserve_prefix_cache_blocks": ("prefix blocks cached",
                                                     lambda: len(self.prefix_cache) if self.prefix_cache else 0)},
             counters={"pdserve_cancellations": "prefills whose caller cancelled or left mid-request",

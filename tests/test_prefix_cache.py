@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 from engine.core import EngineCore
 from engine.prompts import Abandoned, Prefilled
+from gateway.workers import PrefixIndex
 from model_runner import forward
 from model_runner.loading import LoadedModel
 from model_runner.prefix_cache import PrefixCache
@@ -73,6 +75,57 @@ def test_the_cache_never_exceeds_its_byte_budget(prompts: list[tuple[int, int]],
         cache.insert(tokens, _kv(tokens))
         assert cache.bytes <= cache.budget_bytes
         assert cache.bytes == len(cache) * BLOCK_BYTES
+        # what a later prompt would reuse is this prompt's own KV, though slots were freed and reused on the way
+        for i, block in enumerate(cache.match(tokens + [-1])):
+            assert torch.equal(block.kv[1, 1, 0, :, 0], -torch.tensor(tokens[i * BLOCK : (i + 1) * BLOCK]) - 1.0)
+
+
+def test_blocks_live_in_one_pool_whose_slots_are_reused_so_it_stays_within_the_budget() -> None:
+    cache = PrefixCache(BLOCK, budget_bytes=3 * BLOCK_BYTES)
+    assert cache.pool_bytes == 0  # nothing is mapped before the first insert
+    for start in range(0, 400, 8):  # 50 prompts of 2 blocks each through a cache of 3: evictions all along
+        prompt = list(range(start, start + 8))
+        assert cache.insert(prompt, _kv(prompt)) == 2
+        assert cache.pool_bytes == (3 if start else 2) * BLOCK_BYTES
+    last = cache.match(list(range(392, 400)) + [0])  # the last prompt's blocks hold its own KV
+    assert [torch.equal(block.kv[0, 0, 0, :, 0], torch.arange(392.0 + 4 * i, 396 + 4 * i))
+            for i, block in enumerate(last)] == [True, True]
+    # every block's KV is a view of the same pool, not a tensor of its own
+    storages = {block.kv.untyped_storage().data_ptr() for block in cache._blocks.values()}
+    assert len(storages) == 1
+
+
+def test_a_prompt_longer_than_the_cache_keeps_its_shallowest_blocks_with_their_own_kv() -> None:
+    cache = PrefixCache(BLOCK, budget_bytes=2 * BLOCK_BYTES)
+    prompt = list(range(500, 516))  # 4 blocks through 2 slots: the deepest two are placed, then evicted again
+    assert cache.insert(prompt, _kv(prompt)) == 4
+    hit = cache.match(prompt + [0])
+    assert len(hit) == 2 and len(cache) == 2 and cache.pool_bytes == 2 * BLOCK_BYTES
+    for i, block in enumerate(hit):
+        assert torch.equal(block.kv[0, 0, 0, :, 0], torch.arange(500.0 + 4 * i, 504 + 4 * i))
+
+
+def test_an_evicted_block_a_queued_prompt_holds_keeps_its_slot_until_released() -> None:
+    cache = PrefixCache(BLOCK, budget_bytes=2 * BLOCK_BYTES)
+    first = list(range(100, 108))
+    cache.insert(first, _kv(first))
+    held = cache.match(first + [0])  # a queued prompt counts on both blocks
+    second = list(range(200, 208))
+    assert cache.insert(second, _kv(second)) == 0  # both of first's blocks are evicted, but their slots are held
+    assert len(cache) == 0 and cache.bytes == 0 and cache.pool_bytes == 2 * BLOCK_BYTES
+    for i, block in enumerate(held):  # still first's KV, not overwritten by second's
+        assert torch.equal(block.kv[1, 1, 0, :, 0], -torch.tensor(range(100 + 4 * i, 104 + 4 * i)) - 1.0)
+    del held, block  # the prompt ran: the slots are free again
+    assert cache.insert(second, _kv(second)) == 2
+    assert len(cache.match(second + [0])) == 2 and cache.pool_bytes == 2 * BLOCK_BYTES
+
+
+def test_kv_of_another_shape_is_refused() -> None:
+    cache = PrefixCache(BLOCK, budget_bytes=4 * BLOCK_BYTES)
+    prompt = list(range(8))
+    cache.insert(prompt, _kv(prompt))
+    with pytest.raises(ValueError, match="prefix cache: KV of shape"):
+        cache.insert([9] * 8, [(keys.double(), values.double()) for keys, values in _kv(prompt)])
 
 
 def _assert_its_own(runner: LoadedModel, recorder: Recorder, outcome: Prefilled) -> None:
@@ -162,6 +215,22 @@ def test_a_cancelled_prompt_leaves_no_entry(cached_engine: tuple[EngineCore, Pre
     assert isinstance(kept.wait(), Prefilled) and len(cache) == 3
 
 
+def test_the_gateway_s_prefix_index_keeps_its_capacity_and_reports_what_it_holds() -> None:
+    index = PrefixIndex(capacity=1000)
+    prompts = [list(range(start, start + 10 * BLOCK)) for start in range(0, 300 * 10 * BLOCK, 10 * BLOCK)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for prompt in prompts:  # 300 prompts of 10 blocks: 3,000 names through an index of 1,000
+            index.record("prefill-a", block_names(prompt, BLOCK))
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert index.best([("prefill-a", block_names(prompts[-1], BLOCK))]) == "prefill-a"
+    assert index.best([("prefill-a", block_names(prompts[0], BLOCK))]) is None  # forgotten, least recent first
+    assert index.nbytes == pytest.approx(held, rel=0.1)  # the gauge the soak takes as a bounded cache
+
+
 def test_block_names_chain_from_the_start() -> None:
     a, b = block_names([1, 2, 3, 4, 5, 6, 7, 8], 4), block_names([9, 9, 9, 9, 5, 6, 7, 8], 4)
     assert len(a) == 2 and a[1] != b[1]  # equal blocks after different prefixes have different names
@@ -239,4 +308,9 @@ def test_greedy_outputs_with_hits_and_partial_hits_match_hugging_face(tiny_clust
         assert completion.token_ids == hf_greedy(tiny_model_dir, prompt, 12)  # the reference: no cache at all
         cached.append(completion.usage.cached_tokens)  # type: ignore[union-attr]
     assert cached == [0, 48, 16, 48]
+    # the worker's cache holds these blocks in its pool, which is resident only as far as it has been written
+    held = [scrape(worker.metrics) for worker in tiny_cluster.prefill]
+    assert sum(m["pdserve_prefix_cache_blocks"] for m in held) >= 3 + 1  # the system prompt's, the partial hit's
+    for metrics in held:
+        assert 0 <= metrics["pdserve_prefix_cache_bytes"] <= metrics["pdserve_prefix_cache_pool_bytes"] < 64 << 20
     assert_nothing_held(tiny_cluster)
