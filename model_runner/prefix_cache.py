@@ -98,10 +98,7 @@ class PrefixCache:
             slot = self._take_slot()
             if slot is None:  # every slot is held by a queued prompt's evicted blocks
                 break
-            block = Block(name, self._pool[slot], slot)  # type: ignore[index]
-            weakref.finalize(block, self._free.append, slot).atexit = False  # the slot is free once the block is gone
-            self._blocks[name] = block  # at the end: the shallower blocks, added after it, end more recent
-            self.bytes += block.nbytes
+            self._add(name, slot)  # (no reference kept here: evicted by a later take, its slot is free at once)
             placed.append((index, slot, name))
         # Then their KV, one copy per layer's keys and values. A small cache may have evicted some of them again
         # (and handed their slots on): only the blocks still cached are written.
@@ -116,6 +113,13 @@ class PrefixCache:
                     blocks = kv[:, : len(names) * self.block_tokens].unflatten(1, (len(names), self.block_tokens))
                     self._pool[slots, layer, which] = blocks[:, indices].transpose(0, 1)
         return len(placed)
+
+    def _add(self, name: bytes, slot: int) -> None:
+        assert self._pool is not None
+        block = Block(name, self._pool[slot], slot)
+        weakref.finalize(block, self._free.append, slot).atexit = False  # the slot is free once the block is gone
+        self._blocks[name] = block  # at the end: the shallower blocks, added after it, end more recent
+        self.bytes += block.nbytes
 
     def _ready(self, layers: list[LayerKV]) -> bool:
         """Make the pool at the first insert, sized by the budget in blocks of this KV's shape; False if the budget

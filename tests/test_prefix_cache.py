@@ -105,6 +105,14 @@ def test_a_prompt_longer_than_the_cache_keeps_its_shallowest_blocks_with_their_o
         assert torch.equal(block.kv[0, 0, 0, :, 0], torch.arange(500.0 + 4 * i, 504 + 4 * i))
 
 
+def test_a_cache_of_one_block_keeps_the_root() -> None:
+    cache = PrefixCache(BLOCK, budget_bytes=BLOCK_BYTES)
+    prompt = list(range(600, 612))
+    assert cache.insert(prompt, _kv(prompt)) == 3
+    (root,) = cache.match(prompt + [0])  # the block a later prompt can start from
+    assert torch.equal(root.kv[0, 0, 0, :, 0], torch.arange(600.0, 604))
+
+
 def test_an_evicted_block_a_queued_prompt_holds_keeps_its_slot_until_released() -> None:
     cache = PrefixCache(BLOCK, budget_bytes=2 * BLOCK_BYTES)
     first = list(range(100, 108))
