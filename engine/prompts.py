@@ -69,13 +69,10 @@ class PromptJob:
     started: float = 0.0
     cache: WatchedCache | None = None  # a long prompt's KV so far
     done: int = 0  # prompt tokens in `cache` (or in `prefix`, before its first pass)
-    prefix: list[Block] = field(default_factory=list)  # its cached prefix, from the prefix cache
+    prefix: list[Block] = field(default_factory=list)  # its cached prefix, until its first pass copies it
+    cached_tokens: int = 0  # prompt tokens that prefix covers
     cost: int = 0  # prompt tokens to compute, counted in the queue's budget
     finished: bool = False  # `finish` was called: a later failure of its pass must not end it again
-
-    @property
-    def cached_tokens(self) -> int:
-        return sum(block.kv.shape[3] for block in self.prefix)
 
     @property
     def abandoned(self) -> bool:
@@ -192,6 +189,7 @@ class PromptQueue:
             job.cache, job.started = WatchedCache(homes=job.kv_home), time.perf_counter()
             if job.prefix:
                 continuation(job.prefix, job.cache)
+                job.prefix = []  # copied: the blocks' pool slots may go once the cache lets them
         chunk = prompt[job.done : job.done + self._scheduler.chunk_tokens]
         last = job.done + len(chunk) == len(prompt)
         streaming = self.layer_streaming and last and job.deliver is not None
@@ -237,7 +235,7 @@ class PromptQueue:
             blocks = self.prefix_cache.match(job.token_ids)
             if len(blocks) > len(job.prefix):
                 job.prefix = blocks
-                job.done = job.cached_tokens
+                job.done = job.cached_tokens = sum(block.kv.shape[3] for block in blocks)
         job.cost = len(job.token_ids) - job.done
 
     def _remember(self, job: PromptJob, layers: list[LayerKV]) -> None:

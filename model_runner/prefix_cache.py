@@ -11,7 +11,7 @@ is always more recent than the blocks after it: eviction takes leaves first, and
 branches that hang from it.
 
 Only a prompt whose prefill completed is inserted (never a cancelled one's partial KV). A block evicted while a
-queued prompt still counts on it stays alive through that prompt's reference until its prefill has run.
+queued prompt still counts on it stays alive through that prompt's reference until its first pass copies it.
 
 Every block lives in one pool of equal slots, made at the first insert and as large as the budget, as vLLM's and
 SGLang's prefix caches live in their KV pools: on a CPU a private mapping committed as it is first written
@@ -85,7 +85,8 @@ class PrefixCache:
 
     def insert(self, tokens: Sequence[int], layers: list[LayerKV]) -> int:
         """Cache the full blocks of a prompt whose prefill completed; `layers` is its KV, (kv_heads, tokens,
-        head_dim) per layer. Returns the blocks added."""
+        head_dim) per layer. Returns the blocks placed (a cache smaller than the prompt may have evicted some of
+        them again, its deepest first)."""
         names = block_names(tokens, self.block_tokens)
         if not names or not self._ready(layers):
             return 0
@@ -102,16 +103,21 @@ class PrefixCache:
             placed.append((index, slot, name))
         # Then their KV, one copy per layer's keys and values. A small cache may have evicted some of them again
         # (and handed their slots on): only the blocks still cached are written.
-        kept = [(index, slot) for index, slot, name in placed
+        kept = [(index, slot, name) for index, slot, name in placed
                 if (cached := self._blocks.get(name)) is not None and cached.slot == slot]
         if kept:
             assert self._pool is not None
-            indices = torch.tensor([index for index, _ in kept], device=self._pool.device)
-            slots = torch.tensor([slot for _, slot in kept], device=self._pool.device)
-            for layer, pair in enumerate(layers):
-                for which, kv in enumerate(pair):  # (kv_heads, tokens, head_dim) -> (blocks, kv_heads, block, dim)
-                    blocks = kv[:, : len(names) * self.block_tokens].unflatten(1, (len(names), self.block_tokens))
-                    self._pool[slots, layer, which] = blocks[:, indices].transpose(0, 1)
+            indices = torch.tensor([index for index, _, _ in kept], device=self._pool.device)
+            slots = torch.tensor([slot for _, slot, _ in kept], device=self._pool.device)
+            try:
+                for layer, pair in enumerate(layers):
+                    for which, kv in enumerate(pair):  # (kv_heads, tokens, dim) -> (blocks, kv_heads, block, dim)
+                        blocks = kv[:, : len(names) * self.block_tokens].unflatten(1, (len(names), self.block_tokens))
+                        self._pool[slots, layer, which] = blocks[:, indices].transpose(0, 1)
+            except BaseException:  # (out of memory on a GPU, say): no block stays cached without its KV
+                for _, _, name in kept:
+                    self.bytes -= self._blocks.pop(name).nbytes
+                raise
         return len(placed)
 
     def _add(self, name: bytes, slot: int) -> None:

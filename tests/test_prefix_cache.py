@@ -128,6 +128,18 @@ def test_an_evicted_block_a_queued_prompt_holds_keeps_its_slot_until_released() 
     assert len(cache.match(second + [0])) == 2 and cache.pool_bytes == 2 * BLOCK_BYTES
 
 
+def test_an_insert_that_fails_part_way_leaves_no_block_without_its_kv() -> None:
+    cache = PrefixCache(BLOCK, budget_bytes=4 * BLOCK_BYTES)
+    prompt = list(range(700, 708))
+    broken = _kv(prompt)
+    broken[1] = (broken[1][0][:, :3], broken[1][1][:, :3])  # the second layer's KV is cut short: its copy fails
+    with pytest.raises(RuntimeError):
+        cache.insert(prompt, broken)
+    assert len(cache) == 0 and cache.bytes == 0 and cache.match(prompt + [0]) == []
+    assert cache.insert(prompt, _kv(prompt)) == 2  # the slots are free again
+    assert torch.equal(cache.match(prompt + [0])[1].kv[1, 0, 0, :, 0], torch.arange(704.0, 708) + 1)
+
+
 def test_kv_of_another_shape_is_refused() -> None:
     cache = PrefixCache(BLOCK, budget_bytes=4 * BLOCK_BYTES)
     prompt = list(range(8))
@@ -169,6 +181,7 @@ def test_hits_partial_hits_and_evictions_give_each_prompt_exactly_its_own_kv_and
             outcome = recorder.wait()
             assert isinstance(outcome, Prefilled), outcome
             assert outcome.cached_tokens == expected_cached
+            assert recorder.job.prefix == []  # its first pass copied the blocks and let their slots go
             _assert_its_own(runner, recorder, outcome)
             assert cache.bytes <= cache.budget_bytes
         assert (engine.queued_tokens, engine.live_jobs) == (0, 0)
