@@ -1,5 +1,5 @@
 """CPU memory for what every decode step streams, the packed weights and the paged KV pool, on transparent huge
-pages where the kernel gives them.
+pages where the kernel gives them. The prefix cache's block pool lives here too, so it is resident only as it fills.
 
 A step reads all of them, hundreds of MB, once. On 4 KB pages that stream crosses a page every 64 cache lines,
 and each crossing is a TLB miss that the kernels' prefetches into the next page wait behind. On 2 MB pages one
@@ -39,8 +39,10 @@ def huge_bytes(nbytes: int) -> torch.Tensor:
     return whole[start : start + nbytes]
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero-filled CPU tensor on huge pages, committed as it is written."""
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    """A zero-filled tensor: on the CPU on huge pages, committed as it is written; on another device, torch's."""
+    if device is not None and device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     return huge_bytes(nbytes).view(dtype).view(shape)
 

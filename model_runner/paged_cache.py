@@ -35,16 +35,6 @@ class OutOfBlocks(Exception):
     """The pool has fewer free blocks than a sequence needs."""
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zero-filled; on the CPU on huge pages and committed lazily (model_runner/host_memory.py).
-
-    Zeros matter for the reference runner, whose attention reads padded positions under a mask: uninitialised
-    memory may hold NaN bit patterns, which survive a zero attention weight (NaN * 0 = NaN)."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    return host_memory.zeros(shape, dtype)
-
-
 class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, block_size: int = BLOCK_SIZE) -> None:
@@ -52,7 +42,10 @@ class PagedKVCache:
         self.dtype, self.device = dtype, device
         # one spare block past the last, never handed out: a CUDA graph's padding rows write their keys there
         # (model_runner/cuda_graphs.py)
-        self.kv = _zeros((num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim), dtype, device)
+        # zeros, not empty: the reference runner's attention reads padded positions under a mask, and a NaN bit
+        # pattern left in uninitialised memory survives a zero attention weight (NaN * 0 = NaN)
+        self.kv = host_memory.zeros((num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim), dtype,
+                                    device)
         # a stack, lowest ids on top: freed blocks are reused first, so the pages in use stay warm and few
         self._free = list(range(num_blocks - 1, -1, -1))
 

@@ -136,8 +136,7 @@ class PrefixCache:
             slots = self.budget_bytes // (torch.Size(shape).numel() * keys.element_size())
             if slots == 0:
                 return False
-            self._pool = (host_memory.zeros((slots, *shape), keys.dtype) if keys.device.type == "cpu"
-                          else torch.zeros((slots, *shape), dtype=keys.dtype, device=keys.device))
+            self._pool = host_memory.zeros((slots, *shape), keys.dtype, keys.device)
         if self._pool.shape[1:] != shape or self._pool.dtype != keys.dtype:
             raise ValueError(f"prefix cache: KV of shape {shape} and {keys.dtype} after "
                              f"{tuple(self._pool.shape[1:])} and {self._pool.dtype}")
