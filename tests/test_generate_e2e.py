@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import grpc
@@ -146,14 +147,31 @@ def test_cancelling_mid_stream_frees_every_worker(tiny_cluster: Cluster) -> None
     assert generate(tiny_cluster.gateway.address, timeout=60, prompt="Hi", max_tokens=2).finish_reason
 
 
-def test_deadline_exceeded_frees_every_worker(tiny_cluster: Cluster) -> None:
-    # 1. A completion far longer than its 0.5 s deadline: the deadline passes mid-stream.
-    with pytest.raises(grpc.RpcError) as expired:
-        generate(tiny_cluster.gateway.address, timeout=0.5, prompt="Count to one thousand:", max_tokens=450,
-                 temperature=0.0, ignore_eos=True)
-    assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    # 2. Leak check.
-    assert_nothing_live(tiny_cluster)
+def test_deadline_passing_mid_stream_ends_deadline_exceeded_and_frees_every_worker(tiny_model_dir: Path) -> None:
+    # Its own cluster: polls are rare, so the gateway takes the decode worker frozen below for slow, not gone (the
+    # stream's idle timeout, 5 s, is past its deadline too).
+    cluster = start_cluster(tiny_model_dir, gateway_args=("--poll-interval=60",))
+    decode = cluster.decode[0].process
+    try:
+        # 1. A long completion under a 2 s deadline; its first piece has come.
+        responses = stream(cluster.gateway.address, timeout=2, prompt="Count to one thousand:", max_tokens=450,
+                           temperature=0.0, ignore_eos=True)
+        next(responses)
+        # 2. Decode freezes, so the rest cannot come before the deadline, however fast the machine: a timed race
+        # (0.5 s for 450 tokens) failed in CI once a machine decoded them in 475 ms.
+        decode.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(grpc.RpcError) as expired:
+                for _ in responses:
+                    pass
+        finally:
+            decode.send_signal(signal.SIGCONT)
+        assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        # 3. Leak check: the thawed decode worker finds the call cancelled and frees it.
+        assert_nothing_live(cluster, within_s=10)
+        assert generate(cluster.gateway.address, timeout=30, prompt="Hi", max_tokens=2).finish_reason
+    finally:
+        cluster.stop()
 
 
 def test_request_id_in_flight_is_refused_with_already_exists(tiny_cluster: Cluster) -> None:
