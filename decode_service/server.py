@@ -74,6 +74,7 @@ class DecodeConfig:
     prefill_chunk: int = 256  # colocated prompts: most tokens of a long prompt prefilled between two decode steps
     prefill_batch_tokens: int = 256  # colocated short prompts share a pass within this many padded tokens
     prefill_pass_ms: float = 35  # > 0: a colocated pass this long since the last step pauses for one (0: never)
+    prefill_pass_steps: float = 1.5  # > 0: ... or this many decode steps long, if less (0: the ms alone)
     buffer_keep_mb: float = 1024  # idle shared-memory segments kept warm for the next reservations
     kv_warm_mb: float = 1024  # KV cache memory committed at startup (the blocks used first)
     kv_port: int = -1  # TransferKV's own port: -1 = the main port; 0 = a free one
@@ -92,6 +93,8 @@ class DecodeConfig:
                              f"{self.prefill_batch_tokens}: must be >= 1")
         if self.prefill_pass_ms < 0:
             raise ValueError(f"--prefill-pass-ms {self.prefill_pass_ms}: must be >= 0")
+        if not self.prefill_pass_steps >= 0:  # NaN too
+            raise ValueError(f"--prefill-pass-steps {self.prefill_pass_steps}: must be >= 0")
         if self.buffer_keep_mb < 0:
             raise ValueError(f"--kv-buffer-keep-mb {self.buffer_keep_mb}: must be >= 0")
         if self.kv_warm_mb < 0:
@@ -106,7 +109,7 @@ class DecodeConfig:
                    kv_budget_mb=args.kv_budget_mb, lease_s=args.lease_s, max_chunk_bytes=args.max_chunk_bytes,
                    kv_shm=args.kv_shm, buffer_keep_mb=args.buffer_keep_mb, prefill_chunk=args.prefill_chunk,
                    prefill_batch_tokens=args.prefill_batch_tokens, prefill_pass_ms=args.prefill_pass_ms,
-                   kv_warm_mb=args.kv_warm_mb,
+                   prefill_pass_steps=args.prefill_pass_steps, kv_warm_mb=args.kv_warm_mb,
                    kv_port=args.kv_port)
 
     @staticmethod
@@ -136,6 +139,11 @@ class DecodeConfig:
                            "since the last decode step pauses at its next layer boundary for one, so a stream "
                            "waits about a step plus this for its next token; 0: passes run whole "
                            "(default: %(default)s)")
+        group.add_argument("--prefill-pass-steps", type=float, default=DecodeConfig.prefill_pass_steps,
+                           help="colocated prompts: the pause comes sooner, once the pass has run this many decode "
+                           "steps (their recent mean) if that is less than --prefill-pass-ms, so on a fast machine a "
+                           "stream's slowest token interval stays near 1 + this many steps; 0: --prefill-pass-ms "
+                           "alone (default: %(default)s)")
         group.add_argument("--kv-buffer-keep-mb", type=float, default=DecodeConfig.buffer_keep_mb,
                            dest="buffer_keep_mb",
                            help="idle shared-memory KV segments kept warm for later requests (default: %(default)s)")
@@ -164,7 +172,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                  batch_tokens=config.prefill_batch_tokens,
                                  kv_warm_bytes=min(int(config.kv_warm_mb * (1 << 20)), budget),
                                  on_step=self._observe_step, prompt_pass_s=config.prefill_pass_ms / 1e3,
-                                 on_interval=self._observe_interval)
+                                 pass_steps=config.prefill_pass_steps, on_interval=self._observe_interval)
         keep = int(config.buffer_keep_mb * (1 << 20))
         pool = SegmentPool(keep_bytes=keep) if config.kv_shm and segments.SHM_DIR.is_dir() else None
         self.lender = SegmentLender(pool, spec.kv_bytes_per_token)

@@ -5,8 +5,9 @@ vLLM runs one EngineCoreProc for every role:
   two decode steps one pass of colocated prompts, scheduled as on a prefill worker: short prompts batched, long
   ones in chunks taking turns with them (chunked prefill, as vLLM does by default). So a long prompt delays
   running streams by one chunk at a time, never by its whole forward pass. And a pass that runs longer than
-  `prompt_pass_s` pauses at its next layer boundary for a decode step (layered prefill): a running stream waits
-  about one step plus `prompt_pass_s` for its next token, however long the chunk.
+  `prompt_pass_s` (or `pass_steps` decode steps, if less) pauses at its next layer boundary for a decode step
+  (layered prefill): a running stream waits about one step plus that budget for its next token, however long the
+  chunk.
 """
 
 from __future__ import annotations
@@ -26,16 +27,20 @@ from model_runner.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
+STEP_WEIGHT = 0.1  # each decode step's share of the recent mean step time that bounds a prompt pass
+
 
 class EngineCore:
     def __init__(self, runner: LoadedModel, *, kv_blocks: int = 0, batch_tokens: int = 256,
                  chunk_tokens: int = 256, max_queued_tokens: int | None = None, layer_streaming: bool = True,
                  prefix_cache: PrefixCache | None = None, kv_warm_bytes: int = 0,
                  on_step: Callable[[float, int], None] | None = None, prompt_pass_s: float = 0.0,
-                 on_interval: Callable[[float], None] | None = None) -> None:
+                 pass_steps: float = 0.0, on_interval: Callable[[float], None] | None = None) -> None:
         """`kv_blocks` > 0 makes a decode core with a paged cache of that many blocks; 0, a prefill core.
         `prompt_pass_s` > 0, on a decode core: while sequences run, a colocated prompt pass that has run that long
-        since the last decode step runs one at its next layer boundary (0: passes run whole).
+        since the last decode step runs one at its next layer boundary (0: passes run whole); `pass_steps` > 0
+        makes that budget at most this many decode steps (their recent mean), so a fast machine's streams keep the
+        same ratio of slowest to usual token interval as a slow one's.
         `max_queued_tokens`: the prompt queue's token budget (None: unbounded). `kv_warm_bytes`: KV cache memory
         committed now, so that joins do not stall steps on page faults. `on_step(seconds, batch size)`:
         after every decode step, on the engine thread. `on_interval(seconds)`: from one decode step's start to the
@@ -55,6 +60,8 @@ class EngineCore:
         self._stopping = False
         self._busy_since: float | None = None  # perf_counter when the iteration under way began; None: waiting
         self._prompt_pass_s = prompt_pass_s
+        self._pass_steps = pass_steps
+        self._step_s = 0.0  # the decode steps' recent mean duration (exponentially weighted); 0 before the first
         self._on_interval = on_interval
         self._stepped_at = 0.0  # perf_counter when the last decode step ended
         self._boundary_at = 0.0  # when the last layer boundary of a prompt pass was reached
@@ -184,6 +191,8 @@ class EngineCore:
                 self.batch.step()
             finally:
                 self._stepped_at = time.perf_counter()
+                took = self._stepped_at - started
+                self._step_s = took if not self._step_s else self._step_s + STEP_WEIGHT * (took - self._step_s)
         else:
             self._step_started = None
         with self._wake:
@@ -196,16 +205,23 @@ class EngineCore:
 
     def _between_layers(self) -> None:
         """At a layer boundary of a prompt pass: a decode step, once the running streams (or sequences waiting to
-        join) would wait more than `prompt_pass_s` since the last one if the pass ran one more layer as long as
+        join) would wait more than the pass budget since the last one if the pass ran one more layer as long as
         the last. The pass's own state stays untouched."""
         now = time.perf_counter()
         layer_s = now - max(self._boundary_at, self._stepped_at)
         self._boundary_at = now
-        if (self.running or self._joining) and now - self._stepped_at + layer_s > self._prompt_pass_s:
+        if (self.running or self._joining) and now - self._stepped_at + layer_s > self.pass_budget_s():
             try:
                 self._decode_step()
             except Exception:  # the step failed its own sequences; the pass goes on
                 log.exception("decode step between prompt layers failed")
+
+    def pass_budget_s(self) -> float:
+        """How long a colocated prompt pass may run since the last decode step: `prompt_pass_s`, or `pass_steps`
+        recent steps if that is less."""
+        if self._pass_steps and self._step_s:
+            return min(self._prompt_pass_s, self._pass_steps * self._step_s)
+        return self._prompt_pass_s
 
     def _prompt_done(self, seq: Sequence, outcome: Prefilled | BaseException) -> None:
         """A colocated prompt's pass ended: its first token goes out, and it joins the batch."""

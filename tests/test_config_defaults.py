@@ -47,3 +47,13 @@ def test_pdserve_cluster_with_no_flags_gets_cluster_config_defaults() -> None:
     # the CLI writes its defaults out (so that `pdserve --help` imports nothing heavy): they must agree
     args = cli.build_parser(["cluster"]).parse_args(["cluster"])
     assert cli.cluster_config(args) == ClusterConfig()
+
+
+@pytest.mark.parametrize("field, value, flag", [
+    ("prefill_pass_ms", -1.0, "--prefill-pass-ms"),
+    ("prefill_pass_steps", -0.5, "--prefill-pass-steps"),
+    ("prefill_pass_steps", float("nan"), "--prefill-pass-steps"),
+])
+def test_a_decode_pass_budget_out_of_range_is_refused_naming_its_flag(field: str, value: float, flag: str) -> None:
+    with pytest.raises(ValueError, match=flag):
+        DecodeConfig(server=ServerConfig(), model=ModelConfig(), **{field: value})

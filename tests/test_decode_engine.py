@@ -75,13 +75,15 @@ def test_colocated_prompts_batched_or_chunked_decode_as_they_do_alone(runner: Lo
     assert engine.live_sequences == 0
 
 
-@pytest.mark.parametrize("pass_s", [1e-9, 60.0], ids=["tight", "roomy"])
+# The pass budget: tight in ms, roomy, and roomy in ms but a millionth of a decode step (`pass_steps`).
+@pytest.mark.parametrize(("pass_s", "pass_steps"), [(1e-9, 0.0), (60.0, 0.0), (60.0, 1e-6)],
+                         ids=["tight", "roomy", "tight-in-steps"])
 def test_a_colocated_pass_pauses_between_layers_for_decode_steps_and_every_stream_decodes_the_same(
-        runner: LoadedModel, monkeypatch: pytest.MonkeyPatch, pass_s: float) -> None:
+        runner: LoadedModel, monkeypatch: pytest.MonkeyPatch, pass_s: float, pass_steps: float) -> None:
     sampling = SamplingParams(temperature=0.0)
     expected = [decode_alone(runner, prompt, sampling) for prompt in PROMPTS[:2]]
     steps = [0]
-    engine = EngineCore(runner, kv_blocks=64, chunk_tokens=256, prompt_pass_s=pass_s,
+    engine = EngineCore(runner, kv_blocks=64, chunk_tokens=256, prompt_pass_s=pass_s, pass_steps=pass_steps,
                         on_step=lambda seconds, size: steps.__setitem__(0, steps[0] + 1))
     steps_in_pass: list[int] = []
 
@@ -105,7 +107,10 @@ def test_a_colocated_pass_pauses_between_layers_for_decode_steps_and_every_strea
         engine.close()
     # 2. Tight: a decode step at each layer boundary, until the running stream's last 10 tokens were out, all
     #    before the prompt's first token. Roomy: the pass runs whole.
-    assert steps_in_pass == ([ENGINE_MAX_TOKENS - 2] if pass_s < 1 else [0])
+    tight = pass_s < 1 or pass_steps > 0
+    assert steps_in_pass == ([ENGINE_MAX_TOKENS - 2] if tight else [0])
+    # the budget in steps is that share of the steps' mean (under a second each here), the ms otherwise
+    assert (0 < engine.pass_budget_s() < pass_steps) if pass_steps else engine.pass_budget_s() == pass_s
     # 3. Both decode as they do alone, and nothing is held
     assert [running.tokens, colocated[0].tokens] == expected
     assert engine.live_sequences == 0
