@@ -74,7 +74,7 @@ class DecodeConfig:
     prefill_chunk: int = 256  # colocated prompts: most tokens of a long prompt prefilled between two decode steps
     prefill_batch_tokens: int = 256  # colocated short prompts share a pass within this many padded tokens
     prefill_pass_ms: float = 35  # > 0: a colocated pass this long since the last step pauses for one (0: never)
-    prefill_pass_steps: float = 1.5  # > 0: ... or this many decode steps long, if less (0: the ms alone)
+    prefill_pass_steps: float = 1.25  # > 0: ... or this many decode steps long, if less (0: the ms alone)
     buffer_keep_mb: float = 1024  # idle shared-memory segments kept warm for the next reservations
     kv_warm_mb: float = 1024  # KV cache memory committed at startup (the blocks used first)
     kv_port: int = -1  # TransferKV's own port: -1 = the main port; 0 = a free one
