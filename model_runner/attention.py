@@ -66,6 +66,15 @@ def decode_ops(device: torch.device, dtype: torch.dtype) -> DecodeOps:
     return DecodeOps(attend=reference_decode_attention, rope_and_store=reference_rope_and_store, rms_norm=_rms_norm)
 
 
+def decode_layers_op(device: torch.device, dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
+    """A decode step's layers in one C++ call (`torch.ops.pdserve_attention.decode_layers`, the attention path
+    bound) where decode_ops runs the C++ kernels; None elsewhere."""
+    mode = _mode()
+    if mode != "torch" and device.type == "cpu" and dtype in _KERNEL_DTYPES and KERNEL.load():
+        return functools.partial(torch.ops.pdserve_attention.decode_layers, attention_path=mode)
+    return None
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rms_norm(x, (x.shape[-1],), weight, eps)
 

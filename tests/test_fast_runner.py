@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, DynamicCache
 
-from model_runner import forward
+from model_runner import attention, forward, llama
 from model_runner.loading import ModelConfig, load_model
 from model_runner.paged_cache import BLOCK_SIZE, OutOfBlocks, PagedKVCache, pieces_of
 from pdserve.client import generate
@@ -70,6 +70,39 @@ def test_a_sequence_gets_the_same_bits_alone_as_in_any_batch(head64_model_dir: P
     together = greedy(runner, prompts, steps)
     for prompt, result in zip(prompts, together):
         assert greedy(runner, [prompt], steps) == [result]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_decode_step_in_one_c_call_gives_the_python_loops_bits(
+    head64_model_dir: Path, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """decode_layers (csrc/paged_attention.cpp) runs the layers' loop in C++: the same logits and the same KV
+    written, bit for bit, as the Python loop it replaces on the CPU."""
+    runner = ModelConfig(model=str(head64_model_dir), dtype=dtype, runner="fast").load()
+    assert runner.fast is not None and runner.fast._layer_weights is not None
+    assert attention.decode_layers_op(runner.device, runner.dtype) is not None
+    prompts = [[(i * 53 + j * 7) % 49000 + 10 for j in range(3 + 11 * i)] for i in range(4)]
+
+    def run() -> tuple[list[torch.Tensor], torch.Tensor]:
+        spec = runner.spec
+        cache = PagedKVCache(spec.num_layers, sum(-(-(len(p) + 8) // BLOCK_SIZE) for p in prompts),
+                             spec.num_kv_heads, spec.head_dim, runner.dtype, runner.device)
+        tables = []
+        for prompt in prompts:
+            _, kv = forward.prefill(runner, prompt)
+            tables.append(cache.allocate(len(prompt) + 8))
+            cache.load(tables[-1], pieces_of(kv), len(prompt))
+        tokens, positions, steps = [5, 6, 7, 8], [len(p) for p in prompts], []
+        for _ in range(6):
+            steps.append(forward.decode_step(runner, cache, tokens, tables, positions).clone())
+            tokens, positions = steps[-1].argmax(-1).tolist(), [p + 1 for p in positions]
+        return steps, cache.kv.clone()
+
+    in_c, kv_in_c = run()
+    monkeypatch.setattr(llama, "decode_layers_op", lambda device, dtype: None)  # the Python loop
+    in_python, kv_in_python = run()
+    assert all(torch.equal(a, b) for a, b in zip(in_c, in_python))
+    assert torch.equal(kv_in_c, kv_in_python)
 
 
 def test_reference_runner_is_token_identical_to_hugging_face(tiny_model_dir: Path) -> None:
