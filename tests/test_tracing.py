@@ -161,10 +161,14 @@ def test_pdserve_trace_prints_the_request_waterfall_from_the_local_capture(trace
     assert list(_stream(traced.cluster, "waterfall-1", 12, "9bf92f3577b34da6a3ce929d0e0e4736"))[-1].finish_reason
     command = [sys.executable, "-m", "pdserve.cli", "trace", "waterfall-1", "--dir", str(traced.capture)]
     deadline = time.monotonic() + 20
-    while True:  # each process writes its spans in batches
+    # Each process writes its spans in batches, and the gateway's root span ends after the client has its last
+    # token: wait for every span the checks below read (waiting for the workers' alone failed once in CI).
+    wanted = {"gateway", "gateway.queue", "prefill", "prefill.forward", "kv.send", "decode", "kv.receive",
+              "decode.step"}
+    while True:
         shown = subprocess.run(command, capture_output=True, text=True, timeout=60)
         names = [line.split()[0] for line in shown.stdout.splitlines()[1:] if not line.lstrip().startswith("·")]
-        if shown.returncode == 0 and {"decode.step", "kv.receive", "prefill.forward"} <= set(names):
+        if shown.returncode == 0 and wanted <= set(names):
             break
         assert time.monotonic() < deadline, shown.stdout + shown.stderr
         time.sleep(0.2)
