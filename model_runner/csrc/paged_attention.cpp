@@ -907,7 +907,8 @@ at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& cos, const at
                          at::IntArrayRef out_features, double eps, double scale, int64_t hq, int64_t hkv,
                          const std::string& gemm_path, const std::string& attention_path) {
   const int64_t layers = kv.size(0);
-  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == 7 * layers && static_cast<int64_t>(biases.size()) == 5 * layers &&
+  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == 7 * layers &&
+                  static_cast<int64_t>(biases.size()) == 5 * layers &&
                   static_cast<int64_t>(out_features.size()) == 5 * layers,
               "decode_layers: 7 tensors, 5 biases and 5 sizes a layer");
   const auto& gemm = gemm_op();
@@ -917,19 +918,23 @@ at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& cos, const at
   const int64_t batch = x.size(0);
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* t = tensors.data() + 7 * l;
-    const int64_t w = 5 * l;
-    const auto linear = [&](const at::Tensor& in, int64_t i, const std::string& post, const std::optional<at::Tensor>& other) {
-      return gemm.call(in, t[1 + i + (i >= 2 ? 1 : 0)], out_features[w + i], biases.get(w + i), post, other, gemm_path);
+    const at::Tensor &input_norm = t[0], &post_norm = t[3];
+    // the layer's i-th linear (0 qkv, 1 o, 2 gate, 3 up, 4 down) of x, then `post` with `other`
+    const auto linear = [&](int64_t i, const at::Tensor& in, const std::string& post,
+                            const std::optional<at::Tensor>& other) {
+      const at::Tensor& weight = t[i < 2 ? 1 + i : 2 + i];
+      return gemm.call(in, weight, out_features[5 * l + i], biases.get(5 * l + i), post, other, gemm_path);
     };
-    const at::Tensor qkv = linear(rms_norm(x, t[0], eps), 0, plain, none);
-    const at::Tensor layer_kv = kv.select(0, l), key_cache = layer_kv.select(0, 0), value_cache = layer_kv.select(0, 1);
+    const at::Tensor qkv = linear(0, rms_norm(x, input_norm, eps), plain, none);
+    const at::Tensor layer_kv = kv.select(0, l);
+    const at::Tensor key_cache = layer_kv.select(0, 0), value_cache = layer_kv.select(0, 1);
     const at::Tensor q = rope_and_store(qkv, cos, sin, key_cache, value_cache, slots, hq, hkv);
     const at::Tensor attn =
         paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens, scale, attention_path);
-    x = linear(attn.view({batch, -1}), 1, add, x);
-    const at::Tensor h = rms_norm(x, t[3], eps);
-    const at::Tensor gate = linear(h, 2, silu, none);
-    x = linear(linear(h, 3, mul, gate), 4, add, x);
+    x = linear(1, attn.view({batch, -1}), add, x);
+    const at::Tensor h = rms_norm(x, post_norm, eps);
+    const at::Tensor gate = linear(2, h, silu, none);
+    x = linear(4, linear(3, h, mul, gate), add, x);
   }
   return x;
 }
