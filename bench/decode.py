@@ -32,8 +32,8 @@ from bench.report import add_output_args, publish
 from model_runner import forward
 from model_runner.loading import DTYPES, LoadedModel, ModelConfig
 from model_runner.paged_cache import BLOCK_SIZE, PagedKVCache
-from model_runner.sampling import sample
-from protos.types import ModelSpec, SamplingParams
+from model_runner.sampling import best_logits
+from protos.types import ModelSpec
 from serving.models import DEFAULT_MODEL
 
 
@@ -90,16 +90,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 CPU = torch.device("cpu")
-GREEDY = SamplingParams(temperature=0.0)
 
 
-def _greedy(logits: torch.Tensor, positions: list[int]) -> list[int]:
-    """The tokens a decode worker's engine picks (engine/batch.py): on a GPU by one argmax over the batch, on a
-    CPU row by row in float32 (an argmax over the bfloat16 logits would take 1.4 ms of a 20 ms step at batch 8:
-    torch's bfloat16 argmax is not vectorised)."""
-    if logits.device.type != "cpu":
-        return logits.float().argmax(-1).tolist()
-    return [sample(row, GREEDY, position) for row, position in zip(logits, positions)]
+def _greedy(logits: torch.Tensor) -> list[int]:
+    """The tokens a decode worker's engine picks for greedy rows (engine/batch.py): model_runner/sampling's
+    `best_logits`, one pass a row on the CPU."""
+    return best_logits(logits)[1]
 
 
 def read_bandwidth(device: torch.device = CPU, nbytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -199,7 +195,7 @@ def _measure(runner: LoadedModel, args: argparse.Namespace, read_gbps: float, ma
         positions = [args.context + step] * args.batch
         started = time.perf_counter()
         logits = forward.decode_step(runner, cache, tokens, tables, positions)
-        tokens = _greedy(logits, positions)
+        tokens = _greedy(logits)
         if step >= 3:
             times.append(time.perf_counter() - started)
     weight_bytes = runner.fast.weight_bytes() if runner.fast is not None else sum(

@@ -18,7 +18,7 @@ from engine.sequence import FAILED, Sequence
 from model_runner.forward import decode_step
 from model_runner.loading import LoadedModel
 from model_runner.paged_cache import KVPieces, PagedKVCache
-from model_runner.sampling import SAMPLING_EPS, sample
+from model_runner.sampling import SAMPLING_EPS, best_logits, sample
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class DecodeBatch:
         started = time.perf_counter()
         logits = decode_step(self.runner, self.cache, [s.tokens[-1] for s in running], [s.blocks for s in running],
                              [s.cached for s in running])
-        picked = _greedy_on_device(running, logits)
+        picked = _greedy_picks(running, logits)
         finished = []
         ended = time.perf_counter()
         for seq, row, token in zip(running, logits, picked):
@@ -124,13 +124,12 @@ class DecodeBatch:
         self.running = [seq for seq in self.running if seq not in gone]
 
 
-def _greedy_on_device(running: list[Sequence], logits: torch.Tensor) -> list[int | None]:
-    """Each greedy row's token, picked on a GPU for the whole batch with one copy back (sampling row by row would
-    sync with the device twice a row); None for the rows that `sample` picks: all of them on the CPU, where there
-    is no copy to save, and any row whose best logit is not finite (`sample` fails it alone)."""
-    if logits.device.type == "cpu":
+def _greedy_picks(running: list[Sequence], logits: torch.Tensor) -> list[int | None]:
+    """Each greedy row's token, picked for the whole batch at once (model_runner/sampling.best_logits: one pass a
+    row on the CPU, one copy back from a GPU); None for the rows that `sample` picks: those that sample at a
+    temperature, and any row whose best logit is not finite (`sample` fails it alone)."""
+    if not any(seq.sampling.temperature < SAMPLING_EPS for seq in running):
         return [None] * len(running)
-    rows = logits.float()
-    best, tokens = (t.tolist() for t in torch.stack([rows.amax(-1), rows.argmax(-1).float()]).cpu())
-    return [int(token) if seq.sampling.temperature < SAMPLING_EPS and math.isfinite(value) else None
+    best, tokens = best_logits(logits)
+    return [token if seq.sampling.temperature < SAMPLING_EPS and math.isfinite(value) else None
             for seq, value, token in zip(running, best, tokens)]

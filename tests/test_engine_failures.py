@@ -89,13 +89,13 @@ def test_a_prompt_whose_first_token_cannot_be_sampled_fails_alone_and_once(
 class _Stream:
     """A decode sequence that keeps every emission's tokens and finish reason."""
 
-    def __init__(self, prompt: list[int]) -> None:
+    def __init__(self, prompt: list[int], sampling: SamplingParams = SAMPLED) -> None:
         self.prompt = prompt
         self.tokens: list[int] = []
         self.reasons: list[str] = []  # the non-empty finish reasons, in order: exactly one when it ended once
         self.done = threading.Event()
         self.seq = Sequence(request_id=f"seq-{prompt[0]}", prompt_len=len(prompt), max_tokens=MAX_TOKENS,
-                            sampling=SAMPLED, stop_token_ids=frozenset(), emit=self._emit)
+                            sampling=sampling, stop_token_ids=frozenset(), emit=self._emit)
 
     def _emit(self, token_ids: list[int], reason: str) -> None:
         self.tokens += token_ids
@@ -104,9 +104,12 @@ class _Stream:
             self.done.set()
 
 
+@pytest.mark.parametrize("sampling", [SAMPLED, SamplingParams(temperature=0.0)], ids=["sampled", "greedy"])
 def test_a_sequence_whose_next_token_cannot_be_sampled_fails_alone_and_the_batch_goes_on(
-    tiny_runner: LoadedModel, monkeypatch: pytest.MonkeyPatch
+    tiny_runner: LoadedModel, monkeypatch: pytest.MonkeyPatch, sampling: SamplingParams
 ) -> None:
+    """Greedy rows are picked for the whole batch at once (engine/batch.py `_greedy_picks`): a NaN row among them
+    must still fail alone."""
     poisoned_from = 40  # only the 40-token prompt's rows reach this position (the others end before 22)
 
     def poisoned_step(runner: LoadedModel, cache: PagedKVCache, input_ids: list[int], tables: list[list[int]],
@@ -120,7 +123,8 @@ def test_a_sequence_whose_next_token_cannot_be_sampled_fails_alone_and_the_batch
     monkeypatch.setattr(batch_module, "decode_step", poisoned_step)
     engine = EngineCore(tiny_runner, kv_blocks=64)
     # 1. Three sequences with their prefilled KV, all queued before the engine starts: they join one batch.
-    streams = [_Stream(prompt) for prompt in ([1, 17, 4242, 99, 7], list(range(300, 340)), list(range(500, 510)))]
+    streams = [_Stream(prompt, sampling)
+               for prompt in ([1, 17, 4242, 99, 7], list(range(300, 340)), list(range(500, 510)))]
     for stream in streams:
         logits, kv = forward.prefill(tiny_runner, stream.prompt)
         stream.tokens = [sample(logits, SAMPLED, position=len(stream.prompt))]

@@ -18,7 +18,7 @@ def csrc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_a_change_to_the_shared_header_renames_every_kernel_s_build(csrc: Path) -> None:
     # 1. Each kernel that includes simd.h, before the change
-    sources = ["paged_attention.cpp", "prefill_attention.cpp", "tinygemm.cpp"]
+    sources = ["paged_attention.cpp", "prefill_attention.cpp", "tinygemm.cpp", "greedy.cpp"]
     assert all('#include "simd.h"' in (csrc / s).read_text() for s in sources)
     before = [kernels.Kernel(s, s, "torch").build_directory() for s in sources]
     # 2. A change to the header alone: a stale build would otherwise be loaded with the old helpers in it

@@ -1,7 +1,7 @@
-// What the runner's three kernels share: the bfloat16 <-> float32 conversions, the CPU feature checks, and the
+// What the runner's kernels share: the bfloat16 <-> float32 conversions, the CPU feature checks, and the
 // AVX2 helpers (8-lane loads, horizontal sums and maxima, e^x). Included by paged_attention.cpp,
-// prefill_attention.cpp and tinygemm.cpp; model_runner/kernels.py names each build after this header too, so a
-// change here rebuilds all three.
+// prefill_attention.cpp, tinygemm.cpp and greedy.cpp; model_runner/kernels.py names each build after this header
+// too, so a change here rebuilds them all.
 //
 // The vector code is compiled by function attribute (PDS_AVX2, PDS_AVX512, PDS_AVX512_BF16) and chosen at run
 // time, so one cached build runs on any x86-64 CPU. PDS_HAVE_AVX512 is 0 where the compiler cannot emit x86
