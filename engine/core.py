@@ -177,8 +177,8 @@ class EngineCore:
 
     def _decode_step(self) -> None:
         """Leaves, one step of the batch, then joins: nothing on a prefill core. Joining after the step puts the
-        copy of a long prompt's KV (~20-40 ms for 1,500 tokens) inside the time a prompt pass may take before the
-        next step, not in front of this one; a joiner decodes from the next step."""
+        copy of a long prompt's KV (~3 ms for 1,500 tokens in bfloat16 on the CPU) inside the time a prompt pass
+        may take before the next step, not in front of this one; a joiner decodes from the next step."""
         if self.batch is None:
             return
         self.batch.leave([seq for seq in self.batch.running if seq.aborted])

@@ -75,6 +75,18 @@ def decode_layers_op(device: torch.device, dtype: torch.dtype) -> Callable[..., 
     return None
 
 
+def store_prompt(kv: torch.Tensor, sources: list[torch.Tensor], blocks: list[int]) -> bool:
+    """Copy a prompt's KV into its blocks of the pool kv (layers, 2, num_blocks, block_size, Hkv, D): sources are
+    each layer's keys then values, (Hkv, length, D) in kv's dtype. On the CPU by the C++ op
+    `torch.ops.pdserve_attention.store_prompt`, block by block (~3x torch's index_copy_ into the slots); False
+    where it does not run (another device, no kernel, PDSERVE_ATTENTION=torch): the caller copies with torch."""
+    if _mode() == "torch" or kv.device.type != "cpu" or not KERNEL.load():
+        return False
+    torch.ops.pdserve_attention.store_prompt(kv, [s.contiguous() for s in sources],
+                                             torch.tensor(blocks, dtype=torch.long))
+    return True
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rms_norm(x, (x.shape[-1],), weight, eps)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from model_runner import host_memory
+from model_runner import attention, host_memory
 from model_runner.llama import DecodeBatch
 
 # A prompt's KV as it arrived, ready to be copied into blocks: for each tensor (index layer * 2, + 1 for the
@@ -83,14 +83,16 @@ class PagedKVCache:
 
     def load(self, blocks: list[int], kv: KVPieces, length: int) -> None:
         """Copy a `length`-token prompt's KV, (kv_heads, length, head_dim) per layer and kind, into its blocks."""
+        numel = self.num_kv_heads * length * self.head_dim
+        # (heads, tokens, dim) per layer and kind, onto the pool's device, cast if the wire's dtype differs
+        sources = [(pieces[0][1] if len(pieces) == 1 and pieces[0][1].numel() == numel else _joined(pieces, numel))
+                   .view(self.num_kv_heads, length, self.head_dim).to(self.device, self.dtype) for pieces in kv]
+        if attention.store_prompt(self.kv, sources, blocks):
+            return
         slots = self.slots(blocks, 0, length)
         flat = self.kv.view(self.kv.shape[0], 2, -1, self.num_kv_heads, self.head_dim)
-        numel = self.num_kv_heads * length * self.head_dim
-        for index, pieces in enumerate(kv):
-            whole = pieces[0][1] if len(pieces) == 1 and pieces[0][1].numel() == numel else _joined(pieces, numel)
-            # (heads, tokens, dim) -> (tokens, heads, dim), onto the pool's device, cast if the wire's dtype differs
-            tokens_first = whole.view(self.num_kv_heads, length, self.head_dim).transpose(0, 1)
-            flat[index // 2, index % 2].index_copy_(0, slots, tokens_first.to(self.device, self.dtype))
+        for index, source in enumerate(sources):  # (heads, tokens, dim) -> (tokens, heads, dim) at the slots
+            flat[index // 2, index % 2].index_copy_(0, slots, source.transpose(0, 1))
 
     def read(self, blocks: list[int], length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A sequence's first `length` positions, (kv_heads, length, head_dim) keys and values per layer (copies)."""

@@ -153,6 +153,40 @@ def test_paged_cache_hands_out_and_takes_back_blocks() -> None:
     assert sorted(cache.allocate(5 * BLOCK_SIZE)) == list(range(5))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_s_kv_lands_in_its_blocks_the_same_by_the_c_copy_as_by_torch(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU pool takes a joining prompt's KV with `store_prompt` (C++, block by block); PDSERVE_ATTENTION=torch
+    copies with index_copy_. Same bits, nothing outside the prompt's positions written: a partial last block,
+    pieces in chunks, and a wire dtype that differs from the pool's."""
+    length, heads, dim, layers = 37, 3, 8, 2  # 2 whole blocks and 5 tokens
+    generator = torch.Generator().manual_seed(0)
+    kv = [(torch.randn(heads, length, dim, generator=generator), torch.randn(heads, length, dim, generator=generator))
+          for _ in range(layers)]
+    chunked = [[(start, t.reshape(-1)[start : start + 100]) for start in range(0, t.numel(), 100)] for t in
+               [tensor for pair in kv for tensor in pair]]
+    pools, copied_by_c = {}, []
+    store_prompt = attention.store_prompt
+    monkeypatch.setattr(attention, "store_prompt", lambda *args: copied_by_c.append(store_prompt(*args)) or
+                        copied_by_c[-1])
+    for mode in ("auto", "torch"):
+        monkeypatch.setenv("PDSERVE_ATTENTION", mode)
+        cache = PagedKVCache(layers, 8, heads, dim, dtype, torch.device("cpu"))
+        cache.kv.fill_(7)  # a sentinel where nothing may be written
+        blocks = [5, 1, 6]
+        cache.load(blocks, chunked, length)
+        pools[mode] = cache.kv.clone()
+        for (k2, v2), (k, v) in zip(cache.read(blocks, length), kv):
+            assert torch.equal(k2, k.to(dtype)) and torch.equal(v2, v.to(dtype))
+        written = torch.zeros_like(cache.kv, dtype=torch.bool)
+        for position in range(length):
+            written[:, :, blocks[position // BLOCK_SIZE], position % BLOCK_SIZE] = True
+        assert (cache.kv[~written] == 7).all()
+    assert torch.equal(pools["auto"], pools["torch"])
+    assert copied_by_c == [True, False]  # the C++ copy, then torch's
+
+
 def test_default_dtype_gives_the_same_tokens_disaggregated_colocated_and_alone(tiny_model_dir: Path) -> None:
     """bfloat16, the default: concurrent requests through a disaggregated cluster and a colocated one get the
     tokens the runner gives each prompt alone in this process, greedy; seeded sampling agrees between the two."""
