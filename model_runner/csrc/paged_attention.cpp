@@ -174,7 +174,8 @@ PDS_AVX2 inline __m256 sum_each8(const __m256* v) {
 }
 
 // Where a run of q heads' scores go, as ScoreSink with 8-lane vectors: stage (HC, 8) dot products not yet
-// summed; scores (HC, padded), padded = length rounded up to 8.
+// summed; scores (HC, padded), padded = length rounded up to 8 (to 16 on the AVX-512 path, whose softmax masks
+// the lanes past length).
 struct ScoreSink8 {
   __m256* stage;
   float* scores;
@@ -472,8 +473,7 @@ void attend_avx512(const Args<T>& a, int64_t b, int64_t kv0, int64_t kv1, const 
     }
   }
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t d = 0; d < D; ++d)
-      store_f32(s.acc[r * D + lane_of<T>(d)] * s.inv_sum[r], out + r * D + d);
+    for (int64_t d = 0; d < D; ++d) store_f32(s.acc[r * D + lane_of<T>(d)] * s.inv_sum[r], out + r * D + d);
 }
 
 #endif  // PDS_HAVE_AVX512
