@@ -10,6 +10,7 @@ from transformers.cache_utils import DynamicLayer
 
 from model_runner.loading import LoadedModel
 from model_runner.paged_cache import PagedHFCache, PagedKVCache, pieces_of
+from model_runner.sampling import best_logits
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]  # keys, values: (kv_heads, tokens, head_dim) each
 
@@ -134,10 +135,11 @@ def decode_step(runner: LoadedModel, cache: PagedKVCache, input_ids: list[int], 
 
 
 def warm_up(runner: LoadedModel) -> None:
-    """One short prefill and decode step, so the first request does not pay for lazy kernel setup (~1 s)."""
+    """One short prefill, a decode step and its greedy pick, so the first request does not pay for lazy kernel setup
+    (~1 s; a kernel's first build on a machine, several seconds each)."""
     spec = runner.spec
     _, kv = prefill(runner, [0, 0])
     cache = PagedKVCache(spec.num_layers, 1, spec.num_kv_heads, spec.head_dim, runner.dtype, runner.device)
     blocks = cache.allocate(3)
     cache.load(blocks, pieces_of(kv), 2)
-    decode_step(runner, cache, [0], [blocks], [2])
+    best_logits(decode_step(runner, cache, [0], [blocks], [2]))
