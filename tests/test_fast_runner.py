@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -151,6 +153,26 @@ def test_paged_cache_hands_out_and_takes_back_blocks() -> None:
     cache.free(second)
     assert cache.free_blocks == 5
     assert sorted(cache.allocate(5 * BLOCK_SIZE)) == list(range(5))
+
+
+def test_warm_up_loads_every_cpu_kernel_a_request_uses(head64_model_dir: Path) -> None:
+    """A kernel first loaded (or built) at a worker's first request stalls it: a decode replica building the greedy
+    kernel at its first step stalled 7.6 s, long enough for the gateway to move a stream away. A fresh process, as
+    a worker starts: after `warm_up`, every CPU kernel is loaded."""
+    code = ("import sys\n"
+            "from model_runner import attention, forward, gemm, prefill_attention, sampling\n"
+            "from model_runner.loading import ModelConfig\n"
+            "runner = ModelConfig(model=sys.argv[1], dtype='bfloat16', runner='fast').load()\n"
+            "kernels = (gemm, prefill_attention, attention, sampling)\n"
+            "print([m.KERNEL._state for m in kernels])\n"
+            "forward.warm_up(runner)\n"
+            "print([m.KERNEL._state for m in kernels])\n")
+    done = subprocess.run([sys.executable, "-c", code, str(head64_model_dir)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, after = done.stdout.strip().splitlines()[-2:]
+    assert "None" in before  # some load only on first use: the test would not see them otherwise
+    assert after == "[True, True, True, True]"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
