@@ -44,6 +44,7 @@ class DecodeParams:
     sampling: SamplingParams
     ignore_eos: bool
     prompt: tuple[int, ...] = ()  # colocated: the prompt this worker prefills itself
+    decoded_tokens: int = 0  # colocated: how many of its last tokens decode steps generated (a migrated stream's)
 
 @dataclass(frozen=True)
 class Failure:

@@ -41,7 +41,7 @@ from decode_service.reservations import (
 )
 from engine.core import EngineCore
 from engine.sequence import FAILED, Sequence
-from engine.validation import check_prompt
+from engine.validation import check_decoded, check_prompt
 from kv_wire import codec, segments
 from kv_wire.layout import MAX_CHUNK_BYTES
 from kv_wire.receiver import ReceivedKV
@@ -250,7 +250,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             if params.prompt:  # colocated: prefilled here, no KV to wait for
                 reservation.state = ReservationState.ADMITTED
                 reservation.sequence = self._sequence(reservation, tokens=[])
-                self.engine.submit_prompt(reservation.sequence, list(params.prompt))
+                self.engine.submit_prompt(reservation.sequence, list(params.prompt), params.decoded_tokens)
             else:
                 await self.lender.lend(reservation)
             lease_ms = int(self.config.lease_s * 1000)
@@ -368,11 +368,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 raise ValueError("request_id is required")
             check_prompt(self.spec, request.prompt_tokens, request.max_tokens, request.prompt_token_ids,
                          "prompt_token_ids")
+            if request.decoded_tokens and not request.prompt_token_ids:
+                raise ValueError("decoded_tokens is for a colocated request: it needs prompt_token_ids")
+            check_decoded(request.prompt_tokens, request.decoded_tokens)
             sampling = sampling_from_pb(request.sampling)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return DecodeParams(request.request_id, request.prompt_tokens, request.max_tokens, sampling,
-                            request.ignore_eos, tuple(request.prompt_token_ids))
+                            request.ignore_eos, tuple(request.prompt_token_ids), request.decoded_tokens)
 
 
 async def serve(config: DecodeConfig) -> None:

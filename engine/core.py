@@ -92,12 +92,13 @@ class EngineCore:
             self.prompts.add(job)
             self._wake.notify()
 
-    def submit_prompt(self, seq: Sequence, prompt: list[int]) -> None:
-        """Queue a colocated request: its prompt pass runs here, its first token is emitted, then it decodes."""
+    def submit_prompt(self, seq: Sequence, prompt: list[int], decoded: int = 0) -> None:
+        """Queue a colocated request: its prompt pass runs here, its first token is emitted, then it decodes.
+        `decoded`: how many of the prompt's last tokens decode steps generated (PromptJob.decoded)."""
         seq.submitted_at = time.perf_counter()
         try:
             self.submit(PromptJob(prompt, seq.sampling, None, lambda outcome: self._prompt_done(seq, outcome),
-                                  seq.abandon))
+                                  seq.abandon, decoded=decoded))
         except Abandoned:  # shutting down
             seq.emit([], FAILED)
 

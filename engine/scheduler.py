@@ -27,6 +27,9 @@ class Prompt(Protocol):
     @property
     def done(self) -> int: ...  # prompt tokens already in the prompt's cache (earlier chunks, or a cached prefix)
 
+    @property
+    def decoded(self) -> int: ...  # trailing tokens that decode steps generated (engine/prompts.py)
+
 
 P = TypeVar("P", bound=Prompt)
 
@@ -41,8 +44,9 @@ class PromptScheduler(Generic[P]):
         self._long_turn = False
 
     def is_long(self, job: P) -> bool:
-        """Runs alone, continuing its own cache: longer than a chunk, or starting after a cached prefix."""
-        return job.done > 0 or len(job.token_ids) > self.chunk_tokens
+        """Runs alone, continuing its own cache: longer than a chunk, starting after a cached prefix, or holding
+        decoded tokens (replayed in passes of their own)."""
+        return job.done > 0 or job.decoded > 0 or len(job.token_ids) > self.chunk_tokens
 
     def add(self, job: P) -> None:
         (self.long if self.is_long(job) else self.short).append(job)

@@ -195,7 +195,7 @@ async def reserve(
     request = decode_pb2.DecodeRequest(
         request_id=params.request_id, prompt_tokens=len(params.prompt_ids), max_tokens=params.max_tokens,
         sampling=sampling_to_pb(params.sampling), ignore_eos=params.ignore_eos,
-        prompt_token_ids=params.prompt_ids if colocated else [])
+        prompt_token_ids=params.prompt_ids if colocated else [], decoded_tokens=params.decoded if colocated else 0)
     refusals: list[tuple[grpc.StatusCode, str]] = []
     for worker in pool.in_turn(avoid):
         call = worker.stub.Generate(request, timeout=rpc_timeout, metadata=tracing.outgoing())
@@ -267,7 +267,8 @@ async def run(
     prefill_call = prefill_worker.stub.Prefill(prefill_pb2.PrefillRequest(
         request_id=params.request_id, token_ids=params.prompt_ids, sampling=sampling_to_pb(params.sampling),
         decode_address=kv_address(decode_worker.address, reservation.kv_port), reservation_token=reservation.token,
-        shm_segment=reservation.shm_segment), timeout=rpc_timeout, metadata=tracing.outgoing())
+        shm_segment=reservation.shm_segment, decoded_tokens=params.decoded), timeout=rpc_timeout,
+        metadata=tracing.outgoing())
     prefill_worker.calls += 1
     transfer: asyncio.Future[prefill_pb2.PrefillEvent] | None = None
     decode_read: asyncio.Future | None = None

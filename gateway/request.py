@@ -67,13 +67,16 @@ class GenerateParams:
     sampling: SamplingParams
     stop: list[str]
     ignore_eos: bool
+    decoded: int = 0  # how many of prompt_ids, at their end, decode steps generated (a continuation's sent tokens)
 
     def continued(self, sent: list[int]) -> GenerateParams:
         """The rest of this request after `sent` tokens reached the client: they become part of the prompt.
 
-        Sampling is keyed by (seed, position), and positions are unchanged, so the continuation picks the
-        tokens the uninterrupted request would have."""
-        return dataclasses.replace(self, prompt_ids=self.prompt_ids + sent, max_tokens=self.max_tokens - len(sent))
+        Sampling is keyed by (seed, position), and positions are unchanged; the workers run the sent tokens as the
+        decode steps that generated them did (`decoded`: same bits), so the continuation picks the tokens the
+        uninterrupted request would have."""
+        return dataclasses.replace(self, prompt_ids=self.prompt_ids + sent, max_tokens=self.max_tokens - len(sent),
+                                   decoded=self.decoded + len(sent))
 
 
 CHAT_ROLES = ("system", "user", "assistant")

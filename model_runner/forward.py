@@ -97,6 +97,18 @@ def prefill_pass(runner: LoadedModel, prompts: list[list[int]], cache: DynamicCa
     return out.logits[rows, torch.tensor([keep.index(last) for last in lasts])]
 
 
+@torch.inference_mode()
+def replay_pass(runner: LoadedModel, token_ids: list[int], cache: DynamicCache) -> torch.Tensor:
+    """Tokens that decode steps generated (a migrated stream's), continuing the sequence `cache` holds; returns
+    the last position's logits (vocab,). Where the fast runner replays, each row gets the bits the decode step
+    that first read it computed (LlamaRunner.replay), so the continuation picks what an uninterrupted run would;
+    elsewhere they run as a prompt's next chunk."""
+    if runner.fast is not None and runner.fast.replays:
+        ids = torch.tensor(token_ids, dtype=torch.long, device=runner.device)
+        return runner.fast.replay(ids, cache.get_seq_length(), cache)[0]
+    return prefill_pass(runner, [token_ids], cache)[0]
+
+
 def prefill(
     runner: LoadedModel,
     token_ids: list[int],

@@ -205,6 +205,44 @@ class LlamaRunner:
         rows = torch.tensor([row * width + length - 1 for row, length in enumerate(lengths)], device=self.device)
         return self._logits(x[rows])
 
+    @property
+    def replays(self) -> bool:
+        """Whether `replay` gives a decode step's bits: on the CPU, where the decode step's own kernels run."""
+        return self.device.type == "cpu" and decode_layers_op(self.device, self.dtype) is not None
+
+    # Replay: tokens that decode steps generated (a migrated stream's), run again with a decode step's arithmetic.
+    @torch.inference_mode()
+    def replay(self, input_ids: torch.Tensor, start: int, cache: Any) -> torch.Tensor:
+        """input_ids (T,): one sequence's tokens at positions start..start+T-1, after the `start` positions
+        `cache` holds (prefill's WatchedCache protocol). Each row is computed as the decode step that read it
+        computed it: the same GEMM kernel (a row's bits never depend on its company), the decode step's RMSNorm
+        and rotary kernels, and decode attention reading the sequence up to the row's own position. So a stream
+        migrated to another worker continues from the bits an uninterrupted run holds, where prefill's
+        arithmetic (its own attention kernel, torch's norm and rotary) rounds differently. Returns the last
+        position's logits (1, vocab). Only where `replays`."""
+        ops = decode_ops(self.device, self.dtype)
+        width = input_ids.shape[0]
+        positions = torch.arange(start, start + width, device=self.device)
+        cos, sin = self.cos[positions], self.sin[positions]
+        # the rows' rotated keys and values, as one paged block that rope_and_store writes (slot i = row i)
+        fresh = torch.empty(2, 1, width, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
+        slots = torch.arange(width, device=self.device)
+        # the whole cache as one block of a paged cache: row i reads positions 0..start+i
+        tables = torch.zeros(width, 1, dtype=torch.int32, device=self.device)
+        lengths = (positions + 1).to(torch.int32)
+        x = F.embedding(input_ids, self.embed)  # (T, H)
+        for index, layer in enumerate(self.layers):
+            qkv = layer.qkv(ops.rms_norm(x, layer.input_norm, self.eps))
+            q = ops.rope_and_store(qkv, cos, sin, fresh[0], fresh[1], slots, self.num_heads, self.num_kv_heads)
+            keys, values = cache.update(fresh[0, 0].transpose(0, 1)[None], fresh[1, 0].transpose(0, 1)[None], index)
+            # (1, Hkv, start + T, D) -> (1 block, start + T tokens, Hkv, D), strided
+            attn = ops.attend(q, keys[0].transpose(0, 1)[None], values[0].transpose(0, 1)[None], tables, lengths,
+                              self.scale)
+            x = layer.o.plus(attn.view(width, self.q_size), x)
+            h = ops.rms_norm(x, layer.post_norm, self.eps)
+            x = layer.down.plus(layer.up.times(h, layer.gate.silu(h)), x)
+        return self.lm_head(ops.rms_norm(x[-1:], self.norm, self.eps))
+
     # Decode: one token per sequence over the paged cache.
     @torch.inference_mode()
     def decode(self, input_ids: torch.Tensor, batch: DecodeBatch, kv: torch.Tensor) -> torch.Tensor:

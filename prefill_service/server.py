@@ -34,7 +34,7 @@ from opentelemetry.trace import SpanKind
 
 from engine.core import EngineCore
 from engine.prompts import Abandoned, Prefilled, PromptJob, QueueFull
-from engine.validation import check_prompt
+from engine.validation import check_decoded, check_prompt
 from kv_wire import codec
 from kv_wire.layout import DEFAULT_CHUNK_BYTES, LOSSY_WIRE_DTYPES, KVLayout, TransferState
 from kv_wire.segments import SegmentMaps
@@ -248,7 +248,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         def finish(outcome: Prefilled | BaseException) -> None:  # engine thread
             loop.call_soon_threadsafe(_settle, result, outcome)
 
-        job = PromptJob(token_ids, sampling, deliver, finish, abandon, kv_home=home)
+        job = PromptJob(token_ids, sampling, deliver, finish, abandon, kv_home=home, decoded=request.decoded_tokens)
         arrived = time.perf_counter()
         try:
             try:
@@ -334,6 +334,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         token_ids = list(request.token_ids)
         try:
             check_prompt(self.spec, len(token_ids), 1, token_ids)  # the one token prefill generates: the first
+            check_decoded(len(token_ids), request.decoded_tokens)
             if not request.decode_address or not request.reservation_token:
                 raise ValueError("decode_address and reservation_token are required")
             sampling = sampling_from_pb(request.sampling)

@@ -59,11 +59,13 @@ def test_cancelling_a_colocated_stream_frees_everything(colocated: Cluster) -> N
 def test_colocated_request_with_a_bad_prompt_is_invalid_argument(colocated: Cluster) -> None:
     with grpc.insecure_channel(colocated.decode[0].address) as channel:
         decode = decode_pb2_grpc.DecodeStub(channel)
-        for prompt_tokens, ids in ((3, [1, 2]), (2, [1, 10**6])):
+        # ids that disagree with prompt_tokens, one past the vocabulary, and every token "decoded" (none prompt)
+        for prompt_tokens, ids, decoded in ((3, [1, 2], 0), (2, [1, 10**6], 0), (2, [1, 2], 2)):
             with pytest.raises(grpc.RpcError) as refused:
                 next(decode.Generate(decode_pb2.DecodeRequest(
                     request_id="bad", prompt_tokens=prompt_tokens, max_tokens=2, prompt_token_ids=ids,
-                    sampling=worker_pb2.SamplingParams(temperature=0.0, top_p=1.0)), timeout=10))
+                    sampling=worker_pb2.SamplingParams(temperature=0.0, top_p=1.0), decoded_tokens=decoded),
+                    timeout=10))
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 

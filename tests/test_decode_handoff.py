@@ -15,7 +15,7 @@ from kv_wire import codec, segments
 from kv_wire.segments import SegmentMaps
 from pdserve.client import generate
 from pdserve.cluster import Cluster
-from protos import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, worker_pb2
+from protos import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, prefill_pb2, prefill_pb2_grpc, worker_pb2
 from tests.helpers import GREEDY, PROMPT_TOKENS, assert_nothing_live, kv_layout, kv_stream, reserve, wait_until
 
 pytestmark = pytest.mark.leak_check("tiny_cluster")  # and the lifecycle tests end in the gauges' own check
@@ -192,6 +192,26 @@ def test_bad_decode_request_is_invalid_argument(decode) -> None:
         next(decode.Generate(decode_pb2.DecodeRequest(request_id="x", prompt_tokens=0, max_tokens=1, sampling=GREEDY),
                              timeout=10))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # decoded_tokens (a migrated stream's sent tokens) belongs to a colocated request's own prompt
+    with pytest.raises(grpc.RpcError) as refused:
+        next(decode.Generate(decode_pb2.DecodeRequest(request_id="x", prompt_tokens=4, max_tokens=1, sampling=GREEDY,
+                                                      decoded_tokens=2), timeout=10))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "needs prompt_token_ids" in (refused.value.details() or "")
+
+
+def test_a_prefill_request_whose_tokens_are_all_decoded_is_invalid_argument(tiny_cluster: Cluster) -> None:
+    with grpc.insecure_channel(tiny_cluster.prefill[0].address) as channel:
+        prefill = prefill_pb2_grpc.PrefillStub(channel)
+        for decoded in (3, 2**32 - 1):
+            with pytest.raises(grpc.RpcError) as refused:
+                next(prefill.Prefill(prefill_pb2.PrefillRequest(
+                    request_id="x", token_ids=[5, 6, 7], sampling=GREEDY, decode_address="127.0.0.1:1",
+                    reservation_token="t", decoded_tokens=decoded), timeout=10))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"decoded_tokens ({decoded}) must be fewer than the prompt's 3 tokens" in (
+                refused.value.details() or "")
+    assert_nothing_live(tiny_cluster)
 
 
 def test_a_request_cancelled_while_its_segment_is_being_made_gets_it_back(tiny_model_dir: Path) -> None:

@@ -11,11 +11,23 @@ import pytest
 import torch
 from transformers import AutoTokenizer, DynamicCache
 
+from engine.core import EngineCore
+from engine.prompts import Prefilled
 from model_runner import attention, forward, llama
-from model_runner.loading import ModelConfig, load_model
+from model_runner.forward import WatchedCache
+from model_runner.loading import LoadedModel, ModelConfig, load_model
+from model_runner.prefix_cache import PrefixCache
 from model_runner.paged_cache import BLOCK_SIZE, OutOfBlocks, PagedKVCache, pieces_of
 from pdserve.client import generate
-from tests.helpers import assert_close, assert_nothing_held, greedy, hf_reference, save_random_llama, start_cluster
+from tests.helpers import (
+    Recorder,
+    assert_close,
+    assert_nothing_held,
+    greedy,
+    hf_reference,
+    save_random_llama,
+    start_cluster,
+)
 
 QUALITY_PROMPTS = [
     "The capital of France is",
@@ -105,6 +117,78 @@ def test_a_decode_step_in_one_c_call_gives_the_python_loops_bits(
     in_python, kv_in_python = run()
     assert all(torch.equal(a, b) for a, b in zip(in_c, in_python))
     assert torch.equal(kv_in_c, kv_in_python)
+
+
+def _decoded(runner: LoadedModel, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor],
+                                                                          list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A prompt's greedy tokens as a decode worker makes them: prefill, then `steps` decode steps over the paged
+    cache. Returns the tokens (prefill's first), each step's logits, and the sequence's KV after the last step."""
+    spec = runner.spec
+    logits, kv = forward.prefill(runner, prompt)
+    cache = PagedKVCache(spec.num_layers, -(-(len(prompt) + steps) // BLOCK_SIZE), spec.num_kv_heads,
+                         spec.head_dim, runner.dtype, runner.device)
+    table = cache.allocate(len(prompt) + steps)
+    cache.load(table, pieces_of(kv), len(prompt))
+    tokens, step_logits = [int(logits.argmax())], []
+    for _ in range(steps):
+        step_logits.append(forward.decode_step(runner, cache, tokens[-1:], [table], [len(prompt) + len(tokens) - 1])[0])
+        tokens.append(int(step_logits[-1].argmax()))
+    return tokens, step_logits, cache.read(table, len(prompt) + steps)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decoded_tokens_run_again_get_the_decode_steps_bits(head64_model_dir: Path, dtype: str) -> None:
+    """A migrated stream's sent tokens are computed again on the next worker. Replayed (forward.replay_pass),
+    each row gets the bits of the decode step that first read it: the logits that pick the next token and every
+    layer's KV, whole or in chunks, after a prompt prefilled whole or in chunks. Prefill's arithmetic (its own
+    attention kernel, torch's norm and rotary) would round them differently."""
+    runner = ModelConfig(model=str(head64_model_dir), dtype=dtype, runner="fast").load()
+    assert runner.fast is not None and runner.fast.replays
+    prompt = [(j * 31) % 49000 + 10 for j in range(45)]
+    steps = 12
+    tokens, step_logits, kv = _decoded(runner, prompt, steps)
+    for prompt_cut, replay_cuts in ((45, (12,)), (20, (5, 12)), (45, (1, 2, 11, 12))):
+        cache = WatchedCache()
+        forward.prefill_pass(runner, [prompt[:prompt_cut]], cache)
+        if prompt_cut < len(prompt):
+            forward.prefill_pass(runner, [prompt[prompt_cut:]], cache)
+        done = 0
+        for cut in replay_cuts:
+            logits = forward.replay_pass(runner, tokens[done:cut], cache)
+            assert torch.equal(logits, step_logits[cut - 1]), (prompt_cut, cut)
+            done = cut
+        for (keys, values), (want_keys, want_values) in zip(forward.cached_layers(cache), kv):
+            assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
+
+
+def test_a_job_with_decoded_tokens_gets_the_decode_steps_token_and_kv_and_caches_only_its_prompt(
+    head64_model_dir: Path,
+) -> None:
+    """The engine runs a migrated stream's prompt as prompt and its decoded tokens as replayed decode steps, in
+    passes of their own (chunks never span the two). Its first token and delivered KV are an uninterrupted run's,
+    bfloat16, bit for bit; the prefix cache keeps only its prompt's blocks, so a later prompt that holds the same
+    tokens still gets prefill's bits, hit or miss."""
+    runner = ModelConfig(model=str(head64_model_dir), dtype="bfloat16", runner="fast").load()
+    prompt = [(j * 17) % 49000 + 10 for j in range(37)]
+    steps = 26
+    tokens, _, kv = _decoded(runner, prompt, steps)
+    prefix_cache = PrefixCache(block_tokens=16, budget_bytes=64 << 20)
+    engine = EngineCore(runner, chunk_tokens=10, prefix_cache=prefix_cache)
+    engine.start()
+    try:
+        for attempt in range(2):  # a miss, then a hit on the prompt's two full blocks
+            recorder = Recorder(prompt + tokens[:steps])
+            recorder.job.decoded = steps
+            engine.submit(recorder.job)
+            outcome = recorder.wait()
+            assert isinstance(outcome, Prefilled), outcome
+            assert outcome.cached_tokens == 32 * attempt
+            assert outcome.first_token == tokens[steps]
+            for layer, (keys, values) in enumerate(kv):
+                assert torch.equal(recorder.layers[layer][0], keys) and torch.equal(recorder.layers[layer][1], values)
+        assert len(prefix_cache.match(prompt + tokens)) == 2  # 32 of the prompt's 37 tokens; none decoded
+    finally:
+        engine.close()
 
 
 def test_reference_runner_is_token_identical_to_hugging_face(tiny_model_dir: Path) -> None:

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from engine.validation import check_prompt
+from engine.validation import check_decoded, check_prompt
 from protos.types import ModelSpec
 
 SPEC = ModelSpec(name="t", fingerprint="fp", dtype="float32", num_layers=1, num_kv_heads=1, head_dim=8,
@@ -32,3 +32,10 @@ def test_a_prompt_that_fits_passes() -> None:
     check_prompt(SPEC, 15, 1, list(range(15)))  # prefill: a full context less the first token
     check_prompt(SPEC, 4, 12)  # decode, KV from prefill: no ids
     check_prompt(SPEC, 3, 1, (0, 1, 99), "prompt_token_ids")
+
+
+def test_a_prompt_must_keep_at_least_one_token_that_was_not_decoded() -> None:
+    check_decoded(5, 0)
+    check_decoded(5, 4)
+    with pytest.raises(ValueError, match=r"^decoded_tokens \(5\) must be fewer than the prompt's 5 tokens"):
+        check_decoded(5, 5)

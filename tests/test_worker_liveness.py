@@ -211,6 +211,8 @@ def test_a_decode_worker_silent_mid_stream_past_the_idle_timeout_is_left_and_the
         assert frozen.calls[0].cancelled  # the frozen worker's call is ended, so it frees the slot when it wakes
         assert decode.workers[0].suspect_until > time.monotonic()  # and it goes last for a while
         assert spare.requests[0].prompt_tokens == 5 and spare.requests[0].max_tokens == 4
+        # the prefill worker is told that the 2 tokens sent were decoded: it replays them as decode steps did
+        assert [r.decoded_tokens for r in prefill.workers[0].stub.requests] == [0, 2]
         assert _held_calls(prefill, decode) == [0, 0, 0]
         await prefill.close()
         await decode.close()
