@@ -16,7 +16,7 @@
 #include <immintrin.h>
 #define PDS_HAVE_AVX512 1
 #define PDS_AVX512 __attribute__((target("avx512f,fma")))
-#define PDS_AVX512_BF16 __attribute__((target("avx512f,avx512bf16,fma")))
+#define PDS_AVX512_BF16 __attribute__((target("avx512f,avx512vl,avx512bf16,fma")))
 #define PDS_AVX2 __attribute__((target("avx2,fma")))
 #else
 #define PDS_HAVE_AVX512 0
@@ -73,7 +73,7 @@ inline bool cpu_has_avx512() {
 
 inline bool cpu_has_avx512_bf16() {
 #if PDS_HAVE_AVX512
-  static const bool has = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+  static const bool has = cpu_has_avx512() && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
   return has;
 #else
   return false;
