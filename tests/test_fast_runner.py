@@ -16,8 +16,8 @@ from engine.prompts import Prefilled
 from model_runner import attention, forward, llama
 from model_runner.forward import WatchedCache
 from model_runner.loading import LoadedModel, ModelConfig, load_model
-from model_runner.prefix_cache import PrefixCache
 from model_runner.paged_cache import BLOCK_SIZE, OutOfBlocks, PagedKVCache, pieces_of
+from model_runner.prefix_cache import PrefixCache
 from pdserve.client import generate
 from tests.helpers import (
     Recorder,

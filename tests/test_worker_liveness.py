@@ -220,6 +220,28 @@ def test_a_decode_worker_silent_mid_stream_past_the_idle_timeout_is_left_and_the
     asyncio.run(scenario())
 
 
+def test_a_colocated_stream_migrates_with_its_sent_tokens_marked_decoded() -> None:
+    async def scenario() -> None:
+        # colocated, the decode worker sends every token, the first one too
+        dying = FakeStub(lambda _: [RESERVED, _tokens(ANSWER[:3]), UNAVAILABLE])
+        spare = FakeStub(lambda r: [RESERVED, _tokens(ANSWER[len(r.prompt_token_ids) - len(PROMPT_IDS):][:3],
+                                                      "length")])
+        prefill, decode = _pools(dying, spare)
+        timings = Timings()
+        pieces = [piece async for piece in journey.run_with_failover(
+            _params(6), prefill, decode, timings, None, True, RetryPolicy(), None, frozenset({EOS}))]
+        assert [t for piece in pieces for t in piece.token_ids] == ANSWER[:6] and timings.migrations == 1
+        first, again = dying.requests[0], spare.requests[0]
+        assert (list(first.prompt_token_ids), first.decoded_tokens) == (PROMPT_IDS, 0)
+        assert (list(again.prompt_token_ids), again.decoded_tokens) == (PROMPT_IDS + ANSWER[:3], 3)
+        assert again.prompt_tokens == 6 and again.max_tokens == 3
+        assert prefill.workers[0].stub.requests == []
+        await prefill.close()
+        await decode.close()
+
+    asyncio.run(scenario())
+
+
 def test_reserve_does_not_wait_forever_on_a_frozen_worker_when_the_healthy_ones_are_full() -> None:
     async def scenario() -> None:
         full = FakeStub(lambda _: [_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "decode worker full")])
