@@ -207,8 +207,9 @@ class LlamaRunner:
 
     @property
     def replays(self) -> bool:
-        """Whether `replay` gives a decode step's bits: on the CPU, where the decode step's own kernels run."""
-        return self.device.type == "cpu" and decode_layers_op(self.device, self.dtype) is not None
+        """Whether `replay` serves: on the CPU, where a decode step's arithmetic is a function of the row alone
+        (its GEMMs are batch invariant: F.linear, where the kernel cannot be built, is not)."""
+        return self.device.type == "cpu" and self.lm_head.weight.blocked
 
     # Replay: tokens that decode steps generated (a migrated stream's), run again with a decode step's arithmetic.
     @torch.inference_mode()
