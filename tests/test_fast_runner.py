@@ -171,8 +171,9 @@ def test_a_job_with_decoded_tokens_gets_the_decode_steps_token_and_kv_and_caches
 ) -> None:
     """The engine runs a migrated stream's prompt as prompt and its decoded tokens as replayed decode steps, in
     passes of their own (chunks never span the two). Its first token and delivered KV are an uninterrupted run's,
-    bfloat16, bit for bit; the prefix cache keeps only its prompt's blocks, so a later prompt that holds the same
-    tokens still gets prefill's bits, hit or miss."""
+    bfloat16, bit for bit, computed into memory of its own or into a home (decode's shared-memory segment); the
+    prefix cache keeps only its prompt's blocks, so a later prompt that holds the same tokens still gets prefill's
+    bits, hit or miss."""
     runner = ModelConfig(model=str(head64_model_dir), dtype="bfloat16", runner="fast").load()
     prompt = [(j * 17) % 49000 + 10 for j in range(37)]
     steps = 26
@@ -181,9 +182,11 @@ def test_a_job_with_decoded_tokens_gets_the_decode_steps_token_and_kv_and_caches
     engine = EngineCore(runner, chunk_tokens=10, prefix_cache=prefix_cache)
     engine.start()
     try:
-        for attempt in range(2):  # a miss, then a hit on the prompt's two full blocks
+        for attempt in range(2):  # a miss, then a hit on the prompt's two full blocks, into a home
             recorder = Recorder(prompt + tokens[:steps])
             recorder.job.decoded = steps
+            if attempt:
+                recorder.job.kv_home = [(torch.full_like(k, torch.nan), torch.full_like(v, torch.nan)) for k, v in kv]
             engine.submit(recorder.job)
             outcome = recorder.wait()
             assert isinstance(outcome, Prefilled), outcome
@@ -191,6 +194,9 @@ def test_a_job_with_decoded_tokens_gets_the_decode_steps_token_and_kv_and_caches
             assert outcome.first_token == tokens[steps]
             for layer, (keys, values) in enumerate(kv):
                 assert torch.equal(recorder.layers[layer][0], keys) and torch.equal(recorder.layers[layer][1], values)
+                if recorder.job.kv_home is not None:
+                    home_keys, home_values = recorder.job.kv_home[layer]
+                    assert torch.equal(home_keys, keys) and torch.equal(home_values, values)
         assert len(prefix_cache.match(prompt + tokens)) == 2  # 32 of the prompt's 37 tokens; none decoded
     finally:
         engine.close()
