@@ -166,8 +166,9 @@ def test_decoded_tokens_run_again_get_the_decode_steps_bits(
             assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
 
 
+@pytest.mark.parametrize("prompt_len", [37, 32])  # 32: on the hit, the whole prompt is cached and only replays run
 def test_a_job_with_decoded_tokens_gets_the_decode_steps_token_and_kv_and_caches_only_its_prompt(
-    head64_model_dir: Path,
+    head64_model_dir: Path, prompt_len: int,
 ) -> None:
     """The engine runs a migrated stream's prompt as prompt and its decoded tokens as replayed decode steps, in
     passes of their own (chunks never span the two). Its first token and delivered KV are an uninterrupted run's,
@@ -175,7 +176,7 @@ def test_a_job_with_decoded_tokens_gets_the_decode_steps_token_and_kv_and_caches
     prefix cache keeps only its prompt's blocks, so a later prompt that holds the same tokens still gets prefill's
     bits, hit or miss."""
     runner = ModelConfig(model=str(head64_model_dir), dtype="bfloat16", runner="fast").load()
-    prompt = [(j * 17) % 49000 + 10 for j in range(37)]
+    prompt = [(j * 17) % 49000 + 10 for j in range(prompt_len)]
     steps = 26
     tokens, _, kv = _decoded(runner, prompt, steps)
     prefix_cache = PrefixCache(block_tokens=16, budget_bytes=64 << 20)
