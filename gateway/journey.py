@@ -263,7 +263,8 @@ async def run(
         return
     # a prefill worker whose path to this decode worker failed lately goes last, like a failed worker
     broken = frozenset(w.address for w in prefill.workers if pairs.is_open(w.address, decode_worker.address))
-    prefill_worker = prefill.in_turn(avoid | broken, params.prompt_ids)[0]
+    # (by the prefix it may hold: never the decoded tokens of a migrated stream, which no prefill worker caches)
+    prefill_worker = prefill.in_turn(avoid | broken, params.cacheable_ids)[0]
     prefill_call = prefill_worker.stub.Prefill(prefill_pb2.PrefillRequest(
         request_id=params.request_id, token_ids=params.prompt_ids, sampling=sampling_to_pb(params.sampling),
         decode_address=kv_address(decode_worker.address, reservation.kv_port), reservation_token=reservation.token,

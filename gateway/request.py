@@ -69,6 +69,11 @@ class GenerateParams:
     ignore_eos: bool
     decoded: int = 0  # how many of prompt_ids, at their end, decode steps generated (a continuation's sent tokens)
 
+    @property
+    def cacheable_ids(self) -> list[int]:
+        """The tokens a prefill worker computes as prompt, and may keep in its prefix cache: all but the decoded."""
+        return self.prompt_ids[: len(self.prompt_ids) - self.decoded]
+
     def continued(self, sent: list[int]) -> GenerateParams:
         """The rest of this request after `sent` tokens reached the client: they become part of the prompt.
 

@@ -29,8 +29,9 @@ _MODES = ("auto", "torch", "avx512", "avx2", "portable")
 def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q: (B, Hq, D); key_cache/value_cache: (num_blocks, block_size, Hkv, D), one layer's cache (a view into a
-    bigger contiguous tensor of shape (layers, 2, num_blocks, block_size, Hkv, D), so key_cache itself is
-    contiguous); block_tables: int32 (B, max_blocks), block ids of each sequence in order (entries past its
+    bigger contiguous tensor of shape (layers, 2, num_blocks, block_size, Hkv, D); any strides with the last dim
+    contiguous serve: LlamaRunner.replay passes a prompt's contiguous (Hkv, T, D) cache as one block of T tokens,
+    transposed); block_tables: int32 (B, max_blocks), block ids of each sequence in order (entries past its
     length are padding, arbitrary); context_lens: int32 (B,), tokens each sequence attends to (its current token's
     K/V is already written in the cache). Hq is a multiple of Hkv (GQA: q head h uses kv head h // (Hq // Hkv)).
     Returns (B, Hq, D) in q's dtype. A sequence of length 0 gets zeros."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable
 
 import torch
@@ -11,6 +13,8 @@ from transformers.cache_utils import DynamicLayer
 from model_runner.loading import LoadedModel
 from model_runner.paged_cache import PagedHFCache, PagedKVCache, pieces_of
 from model_runner.sampling import best_logits
+
+log = logging.getLogger(__name__)
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]  # keys, values: (kv_heads, tokens, head_dim) each
 
@@ -106,7 +110,14 @@ def replay_pass(runner: LoadedModel, token_ids: list[int], cache: DynamicCache) 
     if runner.fast is not None and runner.fast.replays:
         ids = torch.tensor(token_ids, dtype=torch.long, device=runner.device)
         return runner.fast.replay(ids, cache.get_seq_length(), cache)[0]
+    _warn_no_replay(runner.runner_name, runner.device.type)
     return prefill_pass(runner, [token_ids], cache)[0]
+
+
+@functools.cache
+def _warn_no_replay(runner: str, device: str) -> None:
+    log.warning("the %s runner on %s cannot replay decoded tokens: a migrated stream's sent tokens are prefilled "
+                "again, which rounds differently from the decode steps that made them", runner, device)
 
 
 def prefill(

@@ -6,6 +6,7 @@ to the other, and the client sees one stream, no token repeated or missing, the 
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 from collections.abc import Iterator
@@ -14,9 +15,14 @@ from pathlib import Path
 import grpc
 import pytest
 
+from decode_service.server import DecodeConfig, DecodeServicer
+from model_runner.loading import ModelConfig
 from pdserve.client import generate, stream
 from pdserve.cluster import Cluster, Service
-from tests.helpers import POEM, assert_nothing_held, decoding_worker, start_cluster
+from prefill_service.server import PrefillConfig, PrefillServicer
+from protos import decode_pb2, prefill_pb2
+from serving.server import ServerConfig
+from tests.helpers import GREEDY, POEM, assert_nothing_held, decoding_worker, start_cluster
 
 
 def _kill(cluster: Cluster, service: Service) -> None:
@@ -83,3 +89,50 @@ def test_a_failure_that_another_worker_cannot_fix_is_not_retried(two_by_two: Clu
     assert unavailable.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "no decode worker reachable" in (unavailable.value.details() or "")
     assert time.monotonic() - started < 10  # bounded retries with backoff, not a hang
+
+
+class _Refused(Exception):
+    pass
+
+
+class _Context:
+    """The little of grpc.aio.ServicerContext that a servicer's request path uses before its engine takes over."""
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _Refused(code, details)
+
+
+def test_both_services_hand_a_migrated_stream_s_decoded_tokens_to_their_engine(tiny_model_dir: Path) -> None:
+    """What makes a migration bit-identical (the engine replays the sent tokens, tests/test_fast_runner.py) needs
+    each servicer to pass `decoded_tokens` on: prefill's PromptJob and a colocated request's prompt pass."""
+    model = ModelConfig(model=str(tiny_model_dir))
+    runner = model.load()
+    prefill = PrefillServicer(PrefillConfig(server=ServerConfig(), model=model, prefix_cache_mb=0), runner)
+    decode = DecodeServicer(DecodeConfig(server=ServerConfig(), model=model, kv_warm_mb=0), runner)
+    jobs, prompts = [], []
+    prefill.engine.submit = lambda job: (jobs.append(job), job.abandon.set())  # type: ignore[method-assign]
+    decode.engine.submit_prompt = lambda seq, prompt, decoded=0: prompts.append(  # type: ignore[method-assign]
+        (list(prompt), decoded))
+
+    async def requests() -> None:
+        events = prefill._prefill(prefill_pb2.PrefillRequest(
+            request_id="p", token_ids=[5, 6, 7, 8, 9], sampling=GREEDY, decode_address="127.0.0.1:1",
+            reservation_token="t", decoded_tokens=2), _Context())  # type: ignore[arg-type]
+        task = asyncio.ensure_future(events.__anext__())
+        await asyncio.sleep(0.2)  # the job is submitted (and abandoned by the stub above), its result never comes
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await events.aclose()
+        stream = decode._generate(decode_pb2.DecodeRequest(
+            request_id="d", prompt_tokens=5, max_tokens=3, sampling=GREEDY, prompt_token_ids=[5, 6, 7, 8, 9],
+            decoded_tokens=2), _Context())  # type: ignore[arg-type]
+        assert (await stream.__anext__()).WhichOneof("event") == "reserved"
+        await stream.aclose()
+
+    try:
+        asyncio.run(requests())
+    finally:
+        prefill.engine.close()
+        decode.engine.close()
+    assert [(job.token_ids, job.decoded) for job in jobs] == [([5, 6, 7, 8, 9], 2)]
+    assert prompts == [([5, 6, 7, 8, 9], 2)]

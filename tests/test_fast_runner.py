@@ -192,6 +192,8 @@ def test_a_job_with_decoded_tokens_gets_the_decode_steps_token_and_kv_and_caches
             outcome = recorder.wait()
             assert isinstance(outcome, Prefilled), outcome
             assert outcome.cached_tokens == 32 * attempt
+            # prompt passes of at most 10 tokens, never holding a decoded one, then 26 decoded tokens in 3
+            assert outcome.passes == -(-(prompt_len - 32 * attempt) // 10) + 3
             assert outcome.first_token == tokens[steps]
             for layer, (keys, values) in enumerate(kv):
                 assert torch.equal(recorder.layers[layer][0], keys) and torch.equal(recorder.layers[layer][1], values)

@@ -220,6 +220,21 @@ def test_a_decode_worker_silent_mid_stream_past_the_idle_timeout_is_left_and_the
     asyncio.run(scenario())
 
 
+def test_a_second_migration_marks_every_token_sent_so_far_decoded() -> None:
+    async def scenario() -> None:
+        first, second = (FakeStub(lambda _: [RESERVED, _tokens([ANSWER[1]]), UNAVAILABLE]),
+                         FakeStub(lambda _: [RESERVED, _tokens([ANSWER[3]]), UNAVAILABLE]))
+        prefill, decode = _pools(first, second, fake_decode())
+        pieces, timings = await asyncio.wait_for(_journey(_params(7), prefill, decode), 10)
+        assert [t for piece in pieces for t in piece.token_ids] == ANSWER[:7] and timings.migrations == 2
+        requests = prefill.workers[0].stub.requests
+        assert [(len(r.token_ids), r.decoded_tokens) for r in requests] == [(3, 0), (5, 2), (7, 4)]
+        await prefill.close()
+        await decode.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_colocated_stream_migrates_with_its_sent_tokens_marked_decoded() -> None:
     async def scenario() -> None:
         # colocated, the decode worker sends every token, the first one too
