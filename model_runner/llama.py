@@ -232,7 +232,7 @@ class LlamaRunner:
         computed it: the same GEMM kernel (a row's bits never depend on its company), the decode step's RMSNorm
         and rotary kernels, and decode attention reading the sequence up to the row's own position. So a stream
         migrated to another worker continues from the bits an uninterrupted run holds, where prefill's
-        arithmetic (its own attention kernel, torch's norm and rotary) rounds differently. Returns the last
+        arithmetic (its own attention kernel) rounds differently. Returns the last
         position's logits (1, vocab). Only where `replays`."""
         ops = decode_ops(self.device, self.dtype)
         width = input_ids.shape[0]

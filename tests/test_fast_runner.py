@@ -144,8 +144,8 @@ def test_decoded_tokens_run_again_get_the_decode_steps_bits(
     """A migrated stream's sent tokens are computed again on the next worker. Replayed (forward.replay_pass),
     each row gets the bits of the decode step that first read it: the logits that pick the next token and every
     layer's KV, whole or in chunks, after a prompt prefilled whole or in chunks; with the C++ decode kernels and
-    with their torch references (PDSERVE_ATTENTION=torch). Prefill's arithmetic (its own attention kernel,
-    torch's norm and rotary) would round them differently."""
+    with their torch references (PDSERVE_ATTENTION=torch). Prefill's arithmetic (its own attention kernel)
+    would round them differently."""
     monkeypatch.setenv("PDSERVE_ATTENTION", attention_mode)
     runner = ModelConfig(model=str(head64_model_dir), dtype=dtype, runner="fast").load()
     assert runner.fast is not None and runner.fast.replays
