@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from model_runner import gemm, host_memory, prefill_attention
-from model_runner.attention import decode_layers_op, decode_ops, reference_decode_attention
+from model_runner.attention import DecodeOps, decode_layers_op, decode_ops, reference_decode_attention
 from model_runner.cuda_graphs import DecodeGraphs
 from model_runner.prefill_attention import causal_attention
 
@@ -188,23 +188,20 @@ class LlamaRunner:
         x = F.embedding(input_ids.reshape(-1), self.embed)  # (B*T, H)
         positions = torch.arange(start, start + width, device=self.device)
         cos, sin = self.cos[positions], self.sin[positions]  # (T, D)
-        # On the CPU, the decode step's rotary kernel (rope_and_store: each row's keys and values into a scratch
-        # block, slot i = row i), ~3x torch's ops here; the same arithmetic as a decode step's
-        kv_rows = None
+        # On the CPU, the decode step's rotary kernel (_rope_rows), ~3x torch's ops here
+        fresh = None
         if self.device.type == "cpu":
             cos, sin = cos.repeat(batch, 1), sin.repeat(batch, 1)  # (B*T, D)
-            kv_rows = torch.empty(2, 1, tokens, self.num_kv_heads, self.head_dim, dtype=self.dtype)
-            slots = torch.arange(tokens)
+            fresh = self._fresh_rows(tokens)
         # bottom-right causal mask: query t (absolute start + t) sees keys 0..start + t
         mask = None
         if start:
             mask = torch.ones(width, start + width, dtype=torch.bool, device=self.device).tril(start)
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv(ops.rms_norm(x, layer.input_norm, self.eps), prompt=True)
-            if kv_rows is not None:
-                q = ops.rope_and_store(qkv, cos, sin, kv_rows[0], kv_rows[1], slots, self.num_heads,
-                                       self.num_kv_heads).view(batch, width, self.num_heads, -1).transpose(1, 2)
-                k, v = (rows[0].view(batch, width, self.num_kv_heads, -1).transpose(1, 2) for rows in kv_rows)
+            if fresh is not None:
+                q = self._rope_rows(ops, qkv, cos, sin, fresh).view(batch, width, self.num_heads, -1).transpose(1, 2)
+                k, v = (rows[0].view(batch, width, self.num_kv_heads, -1).transpose(1, 2) for rows in fresh)
             else:
                 rotated, _ = _rope(qkv.view(batch, width, -1), self.q_size + self.kv_size, cos, sin, self.head_dim)
                 q = rotated[:, :, : self.num_heads].transpose(1, 2)  # (B, Hq, T, D)
@@ -214,9 +211,9 @@ class LlamaRunner:
             keys, values = cache.update(k.contiguous(), v.contiguous(), index)
             attention = self._prompt_attention(q, keys, values, lengths, start, mask).view(tokens, -1)
             x = layer.o.plus(attention, x, prompt=True)
-            x = self._mlp(layer, x)
+            x = self._mlp(ops, layer, x, prompt=True)
         rows = torch.tensor([row * width + length - 1 for row, length in enumerate(lengths)], device=self.device)
-        return self._logits(x[rows])
+        return self.lm_head(ops.rms_norm(x[rows], self.norm, self.eps), prompt=True)
 
     @property
     def replays(self) -> bool:
@@ -238,23 +235,19 @@ class LlamaRunner:
         width = input_ids.shape[0]
         positions = torch.arange(start, start + width, device=self.device)
         cos, sin = self.cos[positions], self.sin[positions]
-        # the rows' rotated keys and values, as one paged block that rope_and_store writes (slot i = row i)
-        fresh = torch.empty(2, 1, width, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
-        slots = torch.arange(width, device=self.device)
+        fresh = self._fresh_rows(width)
         # the whole cache as one block of a paged cache: row i reads positions 0..start+i
         tables = torch.zeros(width, 1, dtype=torch.int32, device=self.device)
         lengths = (positions + 1).to(torch.int32)
         x = F.embedding(input_ids, self.embed)  # (T, H)
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv(ops.rms_norm(x, layer.input_norm, self.eps))
-            q = ops.rope_and_store(qkv, cos, sin, fresh[0], fresh[1], slots, self.num_heads, self.num_kv_heads)
+            q = self._rope_rows(ops, qkv, cos, sin, fresh)
             keys, values = cache.update(fresh[0, 0].transpose(0, 1)[None], fresh[1, 0].transpose(0, 1)[None], index)
             # (1, Hkv, start + T, D) -> (1 block, start + T tokens, Hkv, D), strided
             attn = ops.attend(q, keys[0].transpose(0, 1)[None], values[0].transpose(0, 1)[None], tables, lengths,
                               self.scale)
-            x = layer.o.plus(attn.view(width, self.q_size), x)
-            h = ops.rms_norm(x, layer.post_norm, self.eps)
-            x = layer.down.plus(layer.up.times(h, layer.gate.silu(h)), x)
+            x = self._mlp(ops, layer, layer.o.plus(attn.view(width, self.q_size), x))
         return self.lm_head(ops.rms_norm(x[-1:], self.norm, self.eps))
 
     # Decode: one token per sequence over the paged cache.
@@ -283,9 +276,7 @@ class LlamaRunner:
             q = ops.rope_and_store(qkv, cos, sin, key_cache, value_cache, batch.slots, self.num_heads,
                                    self.num_kv_heads)
             attn = ops.attend(q, key_cache, value_cache, batch.block_tables, batch.context_lens, self.scale)
-            x = layer.o.plus(attn.view(x.shape[0], self.q_size), x)
-            h = ops.rms_norm(x, layer.post_norm, self.eps)
-            x = layer.down.plus(layer.up.times(h, layer.gate.silu(h)), x)
+            x = self._mlp(ops, layer, layer.o.plus(attn.view(x.shape[0], self.q_size), x))
         return self.lm_head(ops.rms_norm(x, self.norm, self.eps))
 
     def _prompt_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: list[int],
@@ -316,12 +307,21 @@ class LlamaRunner:
             out[row, :length] = one[0].transpose(0, 1).reshape(length, -1)
         return out
 
-    def _mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:  # prompt passes only
-        h = decode_ops(self.device, self.dtype).rms_norm(x, layer.post_norm, self.eps)
-        return layer.down.plus(layer.up.times(h, layer.gate.silu(h, True), True), x, True)
+    def _mlp(self, ops: DecodeOps, layer: Layer, x: torch.Tensor, prompt: bool = False) -> torch.Tensor:
+        """A layer's second half, residual included: every pass's, so a replayed row gets a decode step's bits."""
+        h = ops.rms_norm(x, layer.post_norm, self.eps)
+        return layer.down.plus(layer.up.times(h, layer.gate.silu(h, prompt), prompt), x, prompt)
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(decode_ops(self.device, self.dtype).rms_norm(x, self.norm, self.eps), prompt=True)
+    def _fresh_rows(self, rows: int) -> torch.Tensor:
+        """Scratch for _rope_rows: `rows` rows' keys and values, (2, 1 block, rows, Hkv, D)."""
+        return torch.empty(2, 1, rows, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
+
+    def _rope_rows(self, ops: DecodeOps, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   fresh: torch.Tensor) -> torch.Tensor:
+        """The decode step's rotary kernel over rows that are not in a paged cache: q (R, Hq, D) rotated is
+        returned, the rows' rotated keys and their values land in `fresh` (_fresh_rows(R)), row i at slot i."""
+        slots = torch.arange(qkv.shape[0], device=self.device)
+        return ops.rope_and_store(qkv, cos, sin, fresh[0], fresh[1], slots, self.num_heads, self.num_kv_heads)
 
 
 def _layer_weights(layers: list[Layer], dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor | None],
