@@ -2,6 +2,12 @@
 
 Anything beyond is refused at once, with a retry hint, instead of queueing without bound: overload is turned
 away early, and the requests already running keep their latency.
+
+The places are shared fairly between clients (an API key, or a peer address where the gateway has no keys): one
+client runs at most `max_in_flight_per_client` requests and queues at most `max_queue_per_client` more, and a
+place that frees goes to the waiting client with the fewest requests running (the oldest request first among
+equals), the way an API gateway gives each tenant its share. So a client that floods, or opens sockets that never
+read, can hold its own share and no more; everyone else still finds a place.
 """
 
 from __future__ import annotations
@@ -9,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -22,17 +29,41 @@ class AdmissionConfig:
     max_in_flight: int = 64
     max_queue: int = 256
     queue_timeout_s: float = 10.0
+    # Half the running places: a single client can never take every place, and on its own it still runs as many
+    # requests at once as this machine's decode batch serves well. 0: no per-client cap.
+    max_in_flight_per_client: int = 32
+    max_queue_per_client: int = 64  # a quarter of the queue; 0: no per-client cap
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight < 1 or self.max_queue < 0 or self.queue_timeout_s < 0:
+            raise ValueError("--max-in-flight must be >= 1, --max-queue and --queue-timeout >= 0")
+        if self.max_in_flight_per_client < 0 or self.max_queue_per_client < 0:
+            raise ValueError("--max-in-flight-per-client and --max-queue-per-client must be >= 0 (0: no cap)")
+
+
+@dataclass(eq=False)
+class _Waiter:
+    client: str
+    order: int  # arrival order: the oldest first among clients with as many running
+    turn: asyncio.Future[None]
 
 
 class Admission:
     def __init__(self, config: AdmissionConfig) -> None:
         self.config = config
         self.running = 0
-        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._running_by: collections.Counter[str] = collections.Counter()
+        self._waiting: dict[str, collections.deque[_Waiter]] = {}  # client -> its waiters, oldest first
+        self._queued = 0
+        self._arrivals = itertools.count()
 
     @property
     def queued(self) -> int:
-        return len(self._waiting)
+        return self._queued
+
+    def held_by(self, client: str) -> int:
+        """The client's requests running or queued."""
+        return self._running_by[client] + len(self._waiting.get(client, ()))
 
     @property
     def retry_after_ms(self) -> int:
@@ -40,49 +71,88 @@ class Admission:
         return int(self.config.queue_timeout_s * 500) or 100
 
     @contextlib.asynccontextmanager
-    async def slot(self, deadline: float | None = None) -> AsyncIterator[None]:
+    async def slot(self, deadline: float | None = None, client: str = "") -> AsyncIterator[None]:
         """Hold one of the `max_in_flight` places for the body; wait in the queue for one (bounded by the queue
         timeout and `deadline`, loop time), or raise Overloaded."""
-        await self._enter(deadline)
+        await self._enter(deadline, client)
         try:
             yield
         finally:
-            self._leave()
+            self._leave(client)
 
-    async def _enter(self, deadline: float | None) -> None:
+    def _under_cap(self, client: str) -> bool:
+        cap = self.config.max_in_flight_per_client
+        return not cap or self._running_by[client] < cap
+
+    async def _enter(self, deadline: float | None, client: str) -> None:
         config = self.config
-        if self.running < config.max_in_flight and not self._waiting:
-            self.running += 1
+        if self.running < config.max_in_flight and not self._queued and self._under_cap(client):
+            self._start(client)
             return
-        if len(self._waiting) >= config.max_queue:
-            raise Overloaded(f"gateway overloaded: {self.running} requests running and {len(self._waiting)} "
-                             "queued, the most it takes; retry later")
+        per_client = config.max_queue_per_client
+        if per_client and len(self._waiting.get(client, ())) >= per_client:
+            raise Overloaded(f"this client has {self._running_by[client]} requests running and "
+                             f"{len(self._waiting[client])} queued, the most one client may queue "
+                             "(--max-queue-per-client); retry later")
         loop = asyncio.get_running_loop()
         timeout = config.queue_timeout_s
         if deadline is not None:
             timeout = min(timeout, max(0.0, deadline - loop.time()))
-        turn: asyncio.Future[None] = loop.create_future()
-        self._waiting.append(turn)
+        waiter = _Waiter(client, next(self._arrivals), loop.create_future())
+        self._waiting.setdefault(client, collections.deque()).append(waiter)
+        self._queued += 1
+        self._dispatch()  # a place may be free for it (the waiters ahead are clients at their cap)
+        if waiter.turn.done():
+            return
+        if self._queued > config.max_queue:
+            self._forget(waiter)
+            raise Overloaded(f"gateway overloaded: {self.running} requests running and {self._queued} "
+                             "queued, the most it takes; retry later")
         try:
             async with asyncio.timeout(timeout):  # not wait_for, which may swallow a cancel (journey.reserve)
-                await asyncio.shield(turn)
+                await asyncio.shield(waiter.turn)
         except TimeoutError:
-            if turn.done():  # handed a place just as the wait ended: give it back to the next in line
-                self._leave()
+            if waiter.turn.done():  # handed a place just as the wait ended: give it back to the next in line
+                self._leave(client)
+            capped = "" if self._under_cap(client) else (
+                f"; this client has {self._running_by[client]} running, the most one client may "
+                "(--max-in-flight-per-client)")
             raise Overloaded(f"gateway overloaded: no place for this request within {timeout:.3g} s in the "
-                             "queue; retry later") from None
+                             f"queue{capped}; retry later") from None
         except asyncio.CancelledError:
-            if turn.done():
-                self._leave()
+            if waiter.turn.done():
+                self._leave(client)
             raise
         finally:
-            if turn in self._waiting:
-                self._waiting.remove(turn)
+            self._forget(waiter)
 
-    def _leave(self) -> None:
-        while self._waiting:  # hand the place straight to the oldest waiter still waiting
-            turn = self._waiting.popleft()
-            if not turn.done():
-                turn.set_result(None)
-                return
+    def _start(self, client: str) -> None:
+        self.running += 1
+        self._running_by[client] += 1
+
+    def _forget(self, waiter: _Waiter) -> None:
+        queue = self._waiting.get(waiter.client)
+        if queue is not None and waiter in queue:
+            queue.remove(waiter)
+            self._queued -= 1
+            if not queue:
+                del self._waiting[waiter.client]
+
+    def _leave(self, client: str) -> None:
         self.running -= 1
+        self._running_by[client] -= 1
+        if not self._running_by[client]:
+            del self._running_by[client]
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Hand free places to waiters: each to the client under its cap with the fewest running, oldest first."""
+        while self.running < self.config.max_in_flight:
+            eligible = [queue[0] for client, queue in self._waiting.items() if self._under_cap(client)]
+            if not eligible:
+                return
+            waiter = min(eligible, key=lambda w: (self._running_by[w.client], w.order))
+            self._forget(waiter)
+            if not waiter.turn.done():  # its wait may have ended this very moment
+                waiter.turn.set_result(None)
+                self._start(waiter.client)

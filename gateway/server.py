@@ -38,10 +38,11 @@ from gateway import journey
 from gateway.admission import Admission, AdmissionConfig, Overloaded
 from gateway.auth import ApiKeys
 from gateway.detokenizer import TextStream
-from gateway.errors import GatewayError, InvalidRequest
+from gateway.errors import DEFAULT_CLIENT_STALL_TIMEOUT_S, ClientStalled, GatewayError, InvalidRequest
 from gateway.journey import RetryPolicy, Timings
 from gateway.openai_api import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HTTP_DEADLINE_S, OpenAIServer
 from gateway.request import (
+    MAX_REQUEST_ID_CHARS,
     GenerateParams,
     Undecodable,
     lenient,
@@ -79,6 +80,7 @@ class GatewayConfig:
     keepalive: Keepalive = Keepalive()  # pings on every worker channel
     http_body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # an HTTP body that takes longer to arrive gets 408
     http_deadline_s: float = DEFAULT_HTTP_DEADLINE_S  # an HTTP request not done by then ends with 504
+    client_stall_timeout_s: float = DEFAULT_CLIENT_STALL_TIMEOUT_S  # a client that reads nothing this long is cut
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -101,6 +103,8 @@ class GatewayConfig:
             raise ValueError(f"--http-body-timeout {self.http_body_timeout_s}: must be > 0")
         if not self.http_deadline_s > 0:
             raise ValueError(f"--http-deadline {self.http_deadline_s}: must be > 0")
+        if not self.client_stall_timeout_s > 0:
+            raise ValueError(f"--client-stall-timeout {self.client_stall_timeout_s}: must be > 0")
         if self.api_key_file and not os.path.isfile(self.api_key_file):
             raise ValueError(f"--api-key-file {self.api_key_file}: no such file")
         ApiKeys.load(self.api_key_file)  # a key file or PDSERVE_API_KEYS holding no key must not turn auth off
@@ -119,10 +123,13 @@ class GatewayConfig:
                                      idle_timeout_s=args.idle_timeout_s or None),
                    keepalive=Keepalive(args.keepalive_s, args.keepalive_timeout_s),
                    admission=AdmissionConfig(max_in_flight=args.max_in_flight, max_queue=args.max_queue,
-                                             queue_timeout_s=args.queue_timeout_s),
+                                             queue_timeout_s=args.queue_timeout_s,
+                                             max_in_flight_per_client=args.max_in_flight_per_client,
+                                             max_queue_per_client=args.max_queue_per_client),
                    poll_interval_s=args.poll_interval_s, http_port=args.http_port, api_key_file=args.api_key_file,
                    served_model_name=args.served_model_name, prefix_balance_tokens=args.prefix_balance_tokens,
-                   http_body_timeout_s=args.http_body_timeout_s, http_deadline_s=args.http_deadline_s)
+                   http_body_timeout_s=args.http_body_timeout_s, http_deadline_s=args.http_deadline_s,
+                   client_stall_timeout_s=args.client_stall_timeout_s)
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
@@ -146,6 +153,17 @@ class GatewayConfig:
         group.add_argument("--max-queue", type=int, default=AdmissionConfig.max_queue,
                            help="requests waiting for a place; beyond it a request is refused at once with "
                            "RESOURCE_EXHAUSTED and a retry-after-ms hint (default: %(default)s)")
+        group.add_argument("--max-in-flight-per-client", type=int, default=AdmissionConfig.max_in_flight_per_client,
+                           help="requests one client (an API key; without keys, a peer address) may run at once; "
+                           "more wait in the queue, where places go to the client running fewest "
+                           "(default: %(default)s; 0: no cap)")
+        group.add_argument("--max-queue-per-client", type=int, default=AdmissionConfig.max_queue_per_client,
+                           help="requests one client may have waiting; beyond it, RESOURCE_EXHAUSTED (HTTP 429) "
+                           "with a retry hint at once (default: %(default)s; 0: no cap)")
+        group.add_argument("--client-stall-timeout", type=float, default=DEFAULT_CLIENT_STALL_TIMEOUT_S,
+                           dest="client_stall_timeout_s",
+                           help="seconds a client may leave a write of its stream (gRPC or HTTP) undrained before "
+                           "the gateway cuts the request and frees everything it held (default: %(default)s)")
         group.add_argument("--queue-timeout", type=float, default=AdmissionConfig.queue_timeout_s,
                            dest="queue_timeout_s",
                            help="seconds a request waits for a place, and then for decode room, before "
@@ -204,6 +222,22 @@ class _CancelCall(Exception):
     """A Cancel call that waited for the handler's write to finish (Gateway.Generate)."""
 
 
+def _peer_host(peer: str) -> str:
+    """A gRPC peer ("ipv4:10.0.0.7:53124", "ipv6:[::1]:53124", "unix:/path") less its port: one client host."""
+    kind, _, address = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return address.rpartition(":")[0] or address
+    return peer
+
+
+def _given_id(request: gateway_pb2.GenerateRequest | Undecodable) -> str:
+    """The request id a client chose, if it is one parse_request accepts (it refuses the rest)."""
+    if isinstance(request, Undecodable):
+        return ""
+    rid = request.request_id
+    return rid if len(rid) <= MAX_REQUEST_ID_CHARS and rid.isprintable() else ""
+
+
 def _split(values: list[str]) -> list[str]:
     return [part.strip() for value in values for part in value.split(",") if part.strip()]
 
@@ -211,8 +245,10 @@ def _split(values: list[str]) -> list[str]:
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, tokenizer: Any, model: worker_pb2.ModelInfo, prefill: Pool, decode: Pool,
                  colocation: Colocation, retry: RetryPolicy, admission: AdmissionConfig,
-                 keys: ApiKeys | None = None) -> None:
+                 keys: ApiKeys | None = None,
+                 client_stall_timeout_s: float = DEFAULT_CLIENT_STALL_TIMEOUT_S) -> None:
         self.tokenizer = tokenizer
+        self.client_stall_timeout_s = client_stall_timeout_s
         self.keys = keys or ApiKeys()
         self.model = model
         self.eos_token_ids = frozenset(model.eos_token_ids)
@@ -224,13 +260,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.pairs = PairBreakers()
         # Request ids are scoped to their tenant (auth.ApiKeys.tenant): keys are (tenant, request id).
         self._in_flight: set[tuple[str, str]] = set()
+        self._live = 0  # requests in _handle: queued, tokenizing or running
         self._tasks: dict[tuple[str, str], asyncio.Task | None] = {}  # -> its Generate handler, for Cancel
         self._cancelled: set[tuple[str, str]] = set()  # ids that Cancel ended
         # Generate handlers inside context.write -> whether a Cancel is waiting for that write to finish
         self._writing: dict[asyncio.Task, bool] = {}
         self.metrics = Metrics(
             gauges={"pdserve_live_requests": ("requests in flight at the gateway, queued ones included",
-                                              lambda: len(self._in_flight)),
+                                              lambda: self._live),
                     "pdserve_queued_requests": ("requests waiting for a place", lambda: self.admission.queued),
                     "pdserve_serving_prefill_workers": ("prefill workers routed to: SERVING at their last health poll",
                                                         lambda: sum(w.serving for w in self.prefill.workers)),
@@ -244,6 +281,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                       "pdserve_retries": "attempts retried on another worker before the first token",
                       "pdserve_migrations": "streams moved to another decode worker mid-stream",
                       "pdserve_rejections": "requests refused for capacity (RESOURCE_EXHAUSTED)",
+                      "pdserve_client_stalls": "requests cut because their client read nothing for "
+                                               "--client-stall-timeout",
                       "pdserve_prompt_tokens": "prompt tokens of finished requests",
                       "pdserve_generation_tokens": "tokens streamed to clients"},
             histograms={"pdserve_time_to_first_token_seconds": "request arrival to its first token",
@@ -265,11 +304,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         task = asyncio.current_task()
         assert task is not None
         try:
-            async with contextlib.aclosing(self.stream(request, deadline, metadata)) as responses:
+            responses = self.stream(request, deadline, metadata, peer=_peer_host(context.peer()))
+            async with contextlib.aclosing(responses):
                 async for response in responses:
                     self._writing[task] = False
                     try:
-                        await context.write(response)
+                        async with asyncio.timeout(self.client_stall_timeout_s):
+                            await context.write(response)
+                    except TimeoutError:
+                        raise ClientStalled(self.client_stall_timeout_s) from None
                     finally:
                         cancel_deferred = self._writing.pop(task)
                     if cancel_deferred:
@@ -277,6 +320,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except GatewayError as exc:
             hint = (("retry-after-ms", str(exc.retry_after_ms)),) if exc.retry_after_ms else ()
             await context.abort(exc.code, exc.message, trailing_metadata=hint)
+        except ClientStalled as exc:  # the stream above is closed: its place and worker calls are freed already
+            self.metrics.count("pdserve_client_stalls")
+            log.warning("%s (%s)", exc, context.peer())
+            # The stalled write stays pending in gRPC core, so this status waits until the client reads or its
+            # connection ends (keepalive pings close a peer that reads nothing); the handler holds nothing else.
+            await context.abort(grpc.StatusCode.CANCELLED, str(exc))
         except _CancelCall:  # the stream above is closed (and counted): its worker calls are cancelled
             log.info("ended with CANCELLED: %s, once its write was done", _CANCEL_CALL)
             await context.abort(grpc.StatusCode.CANCELLED, _CANCEL_CALL)
@@ -290,12 +339,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def stream(
         self, request: gateway_pb2.GenerateRequest, deadline: float | None,
-        metadata: Iterable[tuple[str, str | bytes]] | Mapping[str, str] | None = None,
+        metadata: Iterable[tuple[str, str | bytes]] | Mapping[str, str] | None = None, peer: str = "",
     ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
         """One request's responses, whatever the transport (gRPC here, HTTP in openai_api.py): traced, counted
         and logged the same way. Ends with GatewayError when the request is refused or fails; cancelling the
         caller's task cancels it on every worker. `deadline` is on the event loop's clock; `metadata` may carry
-        the client's `traceparent`."""
+        the client's `traceparent`. `peer`: the client's address, its identity for admission when the gateway has
+        no API keys."""
         # a client's traceparent is honoured: this span joins its trace
         with tracing.tracer.start_as_current_span(
             "gateway", context=tracing.incoming(metadata), kind=SpanKind.SERVER,
@@ -305,7 +355,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             finished = cancelled = False
             try:
                 # aclosing: closed early (a stop string, a deferred Cancel), the journey's calls end now, not at GC
-                handle = self._handle(request, deadline, arrived, self.keys.tenant(metadata))
+                tenant = self.keys.tenant(metadata)
+                handle = self._handle(request, deadline, arrived, tenant, tenant or peer)
                 async with contextlib.aclosing(handle) as responses:
                     async for response in responses:
                         now = time.perf_counter()
@@ -357,27 +408,28 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                  timing.retries, timing.migrations)
 
     async def _handle(
-        self, request: gateway_pb2.GenerateRequest, deadline: float | None, arrived: float, tenant: str
+        self, request: gateway_pb2.GenerateRequest, deadline: float | None, arrived: float, tenant: str, client: str
     ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
-        try:
-            params = await parse_request(request, self.tokenizer, self.model.vocab_size, self.model.max_model_len)
-        except InvalidRequest as exc:
-            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        trace.get_current_span().set_attribute("pdserve.request_id", params.request_id)
-        logs.for_request(params.request_id)
-        owned = tenant, params.request_id
-        if owned in self._in_flight:
-            raise GatewayError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {params.request_id!r} is in flight")
-        self._in_flight.add(owned)
-        self._tasks[owned] = asyncio.current_task()
-        self.metrics.count("pdserve_requests")
+        # Admitted before any work: a request waits for its client's share of the places (admission.py) before it
+        # is tokenized, so a flood of prompts costs the tokenizer no more than the places it was given.
+        owned = self._claim(tenant, _given_id(request))  # a queued request with its own id can be cancelled
+        self._live += 1
         timings = Timings()
         try:
             queued = time.perf_counter()
-            async with self.admission.slot(deadline):
+            async with self.admission.slot(deadline, client):
                 admitted = time.perf_counter()
                 self.metrics.observe("pdserve_queue_time_seconds", admitted - queued)
-                tracing.record("gateway.queue", None, queued, admitted, {"pdserve.in_flight": len(self._in_flight)})
+                tracing.record("gateway.queue", None, queued, admitted, {"pdserve.in_flight": self.admission.running})
+                try:
+                    params = await parse_request(request, self.tokenizer, self.model.vocab_size,
+                                                 self.model.max_model_len, tenant=tenant, deadline=deadline)
+                except InvalidRequest as exc:
+                    raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+                trace.get_current_span().set_attribute("pdserve.request_id", params.request_id)
+                logs.for_request(params.request_id)
+                owned = owned or self._claim(tenant, params.request_id)
+                self.metrics.count("pdserve_requests")
                 # aclosing: if a cancel lands mid-write, the journey's worker calls are cancelled now, not at GC
                 async with contextlib.aclosing(self._generate(params, arrived, deadline, timings)) as responses:
                     async for response in responses:
@@ -395,14 +447,27 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if owned in self._cancelled:  # Cancel, not the client: the client gets a status
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
                 raise GatewayError(grpc.StatusCode.CANCELLED,
-                                   f"request {params.request_id!r} was cancelled by a Cancel call") from None
+                                   f"request {owned[1]!r} was cancelled by a Cancel call") from None  # type: ignore[index]
             raise
         finally:
-            self._in_flight.discard(owned)
-            self._tasks.pop(owned, None)
-            self._cancelled.discard(owned)
+            self._live -= 1
+            if owned is not None:
+                self._in_flight.discard(owned)
+                self._tasks.pop(owned, None)
+                self._cancelled.discard(owned)
             self.metrics.count("pdserve_retries", timings.retries)
             self.metrics.count("pdserve_migrations", timings.migrations)
+
+    def _claim(self, tenant: str, request_id: str) -> tuple[str, str] | None:
+        """Register the calling task as `request_id`'s (for Cancel); ALREADY_EXISTS if the tenant runs that id."""
+        if not request_id:
+            return None
+        owned = tenant, request_id
+        if owned in self._in_flight:
+            raise GatewayError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is in flight")
+        self._in_flight.add(owned)
+        self._tasks[owned] = asyncio.current_task()
+        return owned
 
     async def Cancel(
         self, request: gateway_pb2.CancelRequest, context: grpc.aio.ServicerContext
@@ -482,9 +547,9 @@ async def serve(config: GatewayConfig) -> None:
     max_prompt_chars(tokenizer, model.max_model_len)  # its vocabulary scan holds the GIL ~20 ms: now, not in a request
     servicer = GatewayServicer(tokenizer, model, prefill, decode,
                                Colocation(config.colocate_below, config.colocate_queued), config.retry,
-                               config.admission, ApiKeys.load(config.api_key_file))
+                               config.admission, ApiKeys.load(config.api_key_file), config.client_stall_timeout_s)
     http = OpenAIServer(servicer, config.served_model_name or _model_name(config.model), config.http_body_timeout_s,
-                        config.http_deadline_s)
+                        config.http_deadline_s, config.client_stall_timeout_s)
     announce = {}
     if config.http_port >= 0:
         announce["http"] = await http.start(config.server.host, config.http_port)
