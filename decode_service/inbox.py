@@ -2,7 +2,8 @@
 
 1. The header must come at once and present a live reservation's token; the stream claims the reservation.
 2. Every chunk is checked as it lands (kv_wire.receiver), its bytes in the message or in the lent segment, until
-   the trailer proves the KV whole, within the reservation's lease.
+   the trailer proves the KV whole. Each message renews the reservation's lease: a stream that stops moving for
+   a lease is refused, however long a moving one takes.
 3. The whole KV goes to `admit` (server.py, step 3), and prefill gets an acknowledgement.
 Any fault refuses the stream with its status, frees the partial KV and fails the reservation's Generate stream.
 """
@@ -70,7 +71,8 @@ class KVInbox:
         reservation: Reservation | None = None
         try:
             # A stream must present its header at once (prefill opens it with the first layer's KV in hand), and
-            # finish by the reservation's expiry: a stream that sends nothing does not hold a call for a lease.
+            # send each next message within the reservation's lease: a stream that sends nothing does not hold a
+            # call for a lease.
             async with asyncio.timeout(min(KV_HEADER_TIMEOUT_S, self.lease_s)) as deadline:
                 header = receiver.header_of(await anext(aiter(request_iterator), None))
                 span.start(header)  # a child of prefill's send span: the header carries its context
@@ -78,11 +80,11 @@ class KVInbox:
                 reservation.transfer = asyncio.current_task()  # released mid-stream: this handler is cancelled
                 deadline.reschedule(reservation.loop_expiry())
                 receiver.accept_header(header, reservation.params.prompt_tokens, reservation.segment)
-                received = await self._receive(request_iterator, receiver, reservation)
+                received = await self._receive(request_iterator, receiver, reservation, deadline)
         except KVTransferError as exc:
             await self._refuse(context, reservation, receiver, exc.code, str(exc))
         except TimeoutError:
-            message = ("KV stream stalled: not complete before the reservation's lease ended" if reservation else
+            message = (f"KV stream stalled: no message for the {self.lease_s:g} s lease" if reservation else
                        f"KV stream stalled: no header within {min(KV_HEADER_TIMEOUT_S, self.lease_s):g} s")
             await self._refuse(context, reservation, receiver, grpc.StatusCode.DEADLINE_EXCEEDED, message)
         except asyncio.CancelledError:  # prefill went away, or the reservation was released, mid-stream
@@ -101,7 +103,8 @@ class KVInbox:
                                              chunks_received=receiver.chunks_received)
 
     async def _receive(
-        self, messages: AsyncIterator[codec.Received], receiver: KVReceiver, reservation: Reservation
+        self, messages: AsyncIterator[codec.Received], receiver: KVReceiver, reservation: Reservation,
+        deadline: asyncio.Timeout,
     ) -> ReceivedKV:
         async for message in messages:
             if reservation.state is not ReservationState.TRANSFERRING:
@@ -110,6 +113,8 @@ class KVInbox:
             received = receiver.accept(message)
             if received is not None:
                 return received
+            reservation.extend(self.lease_s)  # the stream moves: a long prompt's last pass may stream for long
+            deadline.reschedule(reservation.loop_expiry())
         raise receiver.fail(grpc.StatusCode.DATA_LOSS, "KV stream ended without a trailer")
 
     async def _refuse(

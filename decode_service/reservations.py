@@ -2,7 +2,9 @@
 
 A reservation holds one sequence slot and the KV bytes of prompt + max_tokens. It lives exactly as long as the
 gateway's Generate call on this worker, and while it waits for KV it also has a lease: KV that has not fully
-arrived when the lease ends is refused and everything is freed. All methods run on the event loop thread.
+arrived when the lease ends is refused and everything is freed. The lease guards against a dead, frozen or cut-off
+prefill worker, not a slow one: the prefill worker renews it while the prompt waits in its queue (`renew`), and
+each message of the KV stream renews it once the stream is open. All methods run on the event loop thread.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class DecodeParams:
     ignore_eos: bool
     prompt: tuple[int, ...] = ()  # colocated: the prompt this worker prefills itself
     decoded_tokens: int = 0  # colocated: how many of its last tokens decode steps generated (a migrated stream's)
+    cache_salt: str = ""  # colocated: its prompt's prefix-cache namespace
+    heartbeat_ms: int = 0  # colocated: a `prefilling` event this often until the first token (0: none)
 
 @dataclass(frozen=True)
 class Failure:
@@ -57,7 +61,7 @@ class Reservation:
     params: DecodeParams
     token: str
     kv_bytes: int
-    expires_at: float  # time.monotonic() by which the KV must have arrived
+    expires_at: float  # time.monotonic() by which the KV must have arrived, unless renewed
     state: ReservationState = ReservationState.WAITING
     sequence: Any = None  # the engine's Sequence once admitted
     segment: Segment | None = None  # shared-memory segment lent to prefill until the KV is admitted
@@ -69,6 +73,9 @@ class Reservation:
         """Push a failure to the gateway's stream at once (it frees the reservation on its way out)."""
         if self.state is not ReservationState.CLOSED:
             self.events.put_nowait(Failure(code, message))
+
+    def extend(self, lease_s: float) -> None:
+        self.expires_at = time.monotonic() + lease_s
 
     def loop_expiry(self) -> float:
         """`expires_at` on the running event loop's clock."""
@@ -102,22 +109,34 @@ class ReservationTable:
         return reservation
 
     def claim(self, request_id: str, token: str) -> Reservation:
-        """The one KV stream that presents the right token takes the reservation; any other is refused.
+        """The one KV stream that presents the right token takes the reservation; any other is refused."""
+        reservation = self._unexpired(request_id, token)
+        if reservation.state is not ReservationState.WAITING:
+            raise KVTransferError(grpc.StatusCode.PERMISSION_DENIED,
+                                  f"reservation for request {request_id!r} was already used "
+                                  f"({reservation.state.value})")
+        reservation.state = ReservationState.TRANSFERRING
+        return reservation
 
-        Tokens are 192 random bits, so looking one up by value leaks nothing usable through timing."""
+    def renew(self, request_id: str, token: str) -> Reservation:
+        """A prefill worker still working on the request's prompt: its lease starts again."""
+        reservation = self._unexpired(request_id, token)
+        if reservation.state is ReservationState.ADMITTED:
+            raise KVTransferError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"reservation for request {request_id!r} has its KV: it has no lease to renew")
+        reservation.extend(self.lease_s)
+        return reservation
+
+    def _unexpired(self, request_id: str, token: str) -> Reservation:
+        """Tokens are 192 random bits, so looking one up by value leaks nothing usable through timing."""
         reservation = self._live.get(token)
         if reservation is None or reservation.params.request_id != request_id:
             raise KVTransferError(grpc.StatusCode.PERMISSION_DENIED,
                                   f"no live reservation for request {request_id!r} with this token "
                                   "(forged, expired or already released)")
-        if reservation.state is not ReservationState.WAITING:
-            raise KVTransferError(grpc.StatusCode.PERMISSION_DENIED,
-                                  f"reservation for request {request_id!r} was already used "
-                                  f"({reservation.state.value})")
-        if time.monotonic() >= reservation.expires_at:
+        if time.monotonic() >= reservation.expires_at and reservation.state is not ReservationState.ADMITTED:
             raise KVTransferError(grpc.StatusCode.PERMISSION_DENIED,
                                   f"reservation for request {request_id!r} expired")
-        reservation.state = ReservationState.TRANSFERRING
         return reservation
 
     def release(self, reservation: Reservation) -> None:

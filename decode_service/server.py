@@ -4,6 +4,8 @@ Life of a request here:
 1. Generate arrives from the gateway: a slot and KV budget are reserved (reservations.py), the reservation
    (token + lease) is the stream's first event. No capacity: RESOURCE_EXHAUSTED, nothing held. The reservation
    also lends a shared-memory segment that a prefill worker on the same host may write the KV into (lending.py).
+   While the prompt waits in prefill's queue, the prefill worker renews the lease (RenewLease): only a prefill
+   worker that died, froze or lost its way here lets it run out.
 2. TransferKV arrives from prefill (the KV inbox, inbox.py): the header must present the reservation's token;
    every chunk is checked as it lands (its bytes in the message, or in the lent segment). Any fault refuses the
    stream with its status, frees the partial KV, and fails step 1's stream.
@@ -12,7 +14,8 @@ Life of a request here:
 5. The Generate call ending for any reason (done, gateway cancel, lease expiry, failure) frees everything.
 
 A colocated request (DecodeRequest.prompt_token_ids) skips steps 2-3: after the reservation, the engine
-prefills the prompt itself in chunks between decode steps, and the first token comes from this worker.
+prefills the prompt itself in chunks between decode steps, and the first token comes from this worker; until it
+does, a `prefilling` event every heartbeat_ms tells the gateway this worker is alive and its engine moving.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from engine.core import EngineCore
 from engine.sequence import FAILED, Sequence
 from engine.validation import check_decoded, check_prompt
 from kv_wire import codec, segments
-from kv_wire.layout import MAX_CHUNK_BYTES
+from kv_wire.layout import MAX_CHUNK_BYTES, KVTransferError
 from kv_wire.receiver import ReceivedKV
 from kv_wire.segments import SegmentPool
 from model_runner.forward import warm_up
@@ -51,6 +54,7 @@ from model_runner.loading import LoadedModel, ModelConfig, add_model_args, model
 from model_runner.paged_cache import BLOCK_SIZE
 from protos import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, worker_pb2
 from protos.convert import model_info, sampling_from_pb
+from protos.types import check_cache_salt
 from serving import logs, tracing
 from serving import server as serving
 from serving.metrics import Metrics
@@ -60,6 +64,7 @@ from serving.tls import require_peer
 log = logging.getLogger(__name__)
 
 DEFAULT_KV_BUDGET_MB = 2048  # the paged KV cache: 64 sequences of ~700 tokens of the default model in fp32
+MIN_HEARTBEAT_MS = 50  # a colocated prompt's `prefilling` events: no caller may ask for a flood
 
 
 @dataclass(frozen=True)
@@ -123,7 +128,8 @@ class DecodeConfig:
                            help=f"KV memory reservations may draw on: the paged KV cache's size (0: "
                            f"{DEFAULT_KV_BUDGET_MB} MiB, or less if --max-seqs sequences at full context need less)")
         group.add_argument("--lease", type=float, default=DecodeConfig.lease_s, dest="lease_s",
-                           help="seconds a reservation waits for its KV (default: %(default)s)")
+                           help="seconds a reservation waits for its KV with no word from the prefill worker (a "
+                           "renewal while the prompt is queued, a KV message once it streams) (default: %(default)s)")
         group.add_argument("--max-chunk-bytes", type=int, default=MAX_CHUNK_BYTES,
                            help="largest KV chunk accepted (default: %(default)s)")
         group.add_argument("--no-kv-shm", action="store_false", dest="kv_shm",
@@ -227,9 +233,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             try:  # aclosing: when grpc drops this generator, _generate frees the request now, not at GC
                 async with contextlib.aclosing(self._generate(request, context)) as events:
                     async for event in events:
-                        if event.WhichOneof("event") == "reserved":
+                        kind = event.WhichOneof("event")
+                        if kind == "reserved":
                             span.add_event("reserved")
-                        else:
+                        elif kind == "tokens":
                             generated += len(event.tokens.token_ids)
                             if event.tokens.finish_reason:
                                 span.set_attribute("pdserve.finish_reason", event.tokens.finish_reason)
@@ -250,14 +257,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             if params.prompt:  # colocated: prefilled here, no KV to wait for
                 reservation.state = ReservationState.ADMITTED
                 reservation.sequence = self._sequence(reservation, tokens=[])
-                self.engine.submit_prompt(reservation.sequence, list(params.prompt), params.decoded_tokens)
+                self.engine.submit_prompt(reservation.sequence, list(params.prompt), params.decoded_tokens,
+                                          params.cache_salt)
             else:
                 await self.lender.lend(reservation)
             lease_ms = int(self.config.lease_s * 1000)
             yield decode_pb2.DecodeEvent(reserved=decode_pb2.Reservation(
                 token=reservation.token, lease_ms=lease_ms, kv_port=self.kv_port,
                 shm_segment=reservation.segment.name if reservation.segment else ""))
-            async for token_ids, reason in self._relay(reservation, context):
+            async for tokens in self._relay(reservation, context):
+                if tokens is None:
+                    yield decode_pb2.DecodeEvent(prefilling=decode_pb2.Prefilling())
+                    continue
+                token_ids, reason = tokens
                 yield decode_pb2.DecodeEvent(tokens=decode_pb2.DecodedTokens(token_ids=token_ids, finish_reason=reason))
         except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: cancelled while grpc wrote our last event
             self.metrics.count("pdserve_cancellations")
@@ -287,20 +299,29 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def _relay(
         self, reservation: Reservation, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[tuple[list[int], str]]:
+    ) -> AsyncIterator[tuple[list[int], str] | None]:
+        """The reservation's tokens, in batches; None for a heartbeat while a colocated prompt prefills."""
+        heartbeat_s = reservation.params.heartbeat_ms / 1e3 or None
         while True:
             if reservation.state is ReservationState.ADMITTED:
-                event = await reservation.events.get()
+                try:
+                    async with asyncio.timeout(heartbeat_s):
+                        event = await reservation.events.get()
+                except TimeoutError:
+                    if self.engine.stalled() < self.config.server.stall_s:  # a stuck engine sends none
+                        yield None
+                    continue
             else:
                 try:
                     async with asyncio.timeout_at(reservation.loop_expiry()):
                         event = await reservation.events.get()
                 except TimeoutError:
-                    if reservation.state is ReservationState.ADMITTED:  # KV arrived just in time; tokens follow
+                    # the KV arrived just in time (tokens follow), or prefill renewed the lease meanwhile
+                    if reservation.state is ReservationState.ADMITTED or time.monotonic() < reservation.expires_at:
                         continue
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                        f"KV for request {reservation.params.request_id!r} did not arrive within "
-                                        f"the {self.config.lease_s:g} s lease")
+                                        f"KV for request {reservation.params.request_id!r} did not arrive, nor did "
+                                        f"prefill renew the {self.config.lease_s:g} s lease")
             if isinstance(event, Failure):
                 await context.abort(event.code, event.message)
                 return
@@ -313,6 +334,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 token_ids, reason = token_ids + more[0], more[1]
             if reason == FAILED:
                 await context.abort(grpc.StatusCode.INTERNAL, "decode engine failed this sequence; see worker logs")
+            heartbeat_s = None  # the first token is out: decode steps follow
             yield token_ids, reason
             if reason:
                 return
@@ -346,6 +368,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             steps=[] if tracing.recording() else None,
         )
 
+    async def RenewLease(
+        self, request: decode_pb2.LeaseRenewal, context: grpc.aio.ServicerContext
+    ) -> decode_pb2.LeaseRenewed:
+        await require_peer(context, "prefill", "RenewLease")
+        try:
+            self.table.renew(request.request_id, request.reservation_token)
+        except KVTransferError as exc:
+            await context.abort(exc.code, str(exc))
+        return decode_pb2.LeaseRenewed(lease_ms=int(self.config.lease_s * 1000))
+
     async def GetInfo(
         self, request: worker_pb2.WorkerInfoRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerInfo:
@@ -371,11 +403,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             if request.decoded_tokens and not request.prompt_token_ids:
                 raise ValueError("decoded_tokens is for a colocated request: it needs prompt_token_ids")
             check_decoded(request.prompt_tokens, request.decoded_tokens)
+            if request.cache_salt and not request.prompt_token_ids:
+                raise ValueError("cache_salt is for a colocated request: it needs prompt_token_ids")
+            check_cache_salt(request.cache_salt)
+            if request.heartbeat_ms and not request.prompt_token_ids:
+                raise ValueError("heartbeat_ms is for a colocated request: it needs prompt_token_ids")
+            if 0 < request.heartbeat_ms < MIN_HEARTBEAT_MS:
+                raise ValueError(f"heartbeat_ms {request.heartbeat_ms}: must be 0 (none) or >= {MIN_HEARTBEAT_MS}")
             sampling = sampling_from_pb(request.sampling)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return DecodeParams(request.request_id, request.prompt_tokens, request.max_tokens, sampling,
-                            request.ignore_eos, tuple(request.prompt_token_ids), request.decoded_tokens)
+                            request.ignore_eos, tuple(request.prompt_token_ids), request.decoded_tokens,
+                            request.cache_salt, request.heartbeat_ms)
 
 
 async def serve(config: DecodeConfig) -> None:
@@ -397,7 +437,11 @@ async def serve(config: DecodeConfig) -> None:
     }
     kv = {"TransferKV": grpc.stream_unary_rpc_method_handler(
         servicer.inbox.TransferKV, request_deserializer=codec.decode,
-        response_serializer=kv_transfer_pb2.KVTransferAck.SerializeToString)}
+        response_serializer=kv_transfer_pb2.KVTransferAck.SerializeToString),
+        # beside TransferKV: the prefill worker that will send the KV renews the lease
+        "RenewLease": grpc.unary_unary_rpc_method_handler(
+            servicer.RenewLease, request_deserializer=decode_pb2.LeaseRenewal.FromString,
+            response_serializer=decode_pb2.LeaseRenewed.SerializeToString)}
 
     def registering(handlers: dict[str, grpc.RpcMethodHandler]) -> Callable[[grpc.aio.Server], list[str]]:
         def register(server: grpc.aio.Server) -> list[str]:

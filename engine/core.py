@@ -92,13 +92,14 @@ class EngineCore:
             self.prompts.add(job)
             self._wake.notify()
 
-    def submit_prompt(self, seq: Sequence, prompt: list[int], decoded: int = 0) -> None:
+    def submit_prompt(self, seq: Sequence, prompt: list[int], decoded: int = 0, cache_salt: str = "") -> None:
         """Queue a colocated request: its prompt pass runs here, its first token is emitted, then it decodes.
-        `decoded`: how many of the prompt's last tokens decode steps generated (PromptJob.decoded)."""
+        `decoded`: how many of the prompt's last tokens decode steps generated (PromptJob.decoded); `cache_salt`:
+        its prefix-cache namespace (PromptJob.cache_salt)."""
         seq.submitted_at = time.perf_counter()
         try:
             self.submit(PromptJob(prompt, seq.sampling, None, lambda outcome: self._prompt_done(seq, outcome),
-                                  seq.abandon, decoded=decoded))
+                                  seq.abandon, decoded=decoded, cache_salt=cache_salt))
         except Abandoned:  # shutting down
             seq.emit([], FAILED)
 

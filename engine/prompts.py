@@ -70,6 +70,8 @@ class PromptJob:
     # failed): they run after the prompt as decode steps computed them (forward.replay_pass), in passes of their
     # own, and never enter the prefix cache.
     decoded: int = 0
+    # The prefix-cache namespace it looks up and fills (PrefillRequest.cache_salt): "" is the shared one.
+    cache_salt: str = ""
     started: float = 0.0
     cache: WatchedCache | None = None  # a long prompt's KV so far
     done: int = 0  # prompt tokens in `cache` (or in `prefix`, before its first pass)
@@ -247,7 +249,8 @@ class PromptQueue:
         Called on submit, and again as its first pass starts: prompts that finished while it waited (the same
         system prompt sent in a burst, say) may have cached more of it."""
         if self.prefix_cache is not None:  # (the first decoded token may follow a wholly cached prompt)
-            blocks = self.prefix_cache.match(job.token_ids[: job.prompt_len + (1 if job.decoded else 0)])
+            blocks = self.prefix_cache.match(job.token_ids[: job.prompt_len + (1 if job.decoded else 0)],
+                                             job.cache_salt)
             if len(blocks) > len(job.prefix):
                 job.prefix = blocks
                 job.done = job.cached_tokens = sum(block.kv.shape[3] for block in blocks)
@@ -260,7 +263,7 @@ class PromptQueue:
             if job.decoded:
                 layers = [(keys[:, : job.prompt_len], values[:, : job.prompt_len]) for keys, values in layers]
             with self._lock:
-                self.prefix_cache.insert(job.token_ids[: job.prompt_len], layers)
+                self.prefix_cache.insert(job.token_ids[: job.prompt_len], layers, job.cache_salt)
 
     def _end_long(self, job: PromptJob) -> None:
         with self._lock:

@@ -25,7 +25,7 @@ class ApiKeys:
     refusal = "missing or invalid API key: send the header `authorization: Bearer <key>`"
 
     def __init__(self, keys: Iterable[str] = ()) -> None:
-        self._keys = [key.encode() for key in keys if key]
+        self._keys = [key.encode("utf-8", "surrogateescape") for key in keys if key]  # as os.environ decodes
 
     @classmethod
     def load(cls, key_file: str = "") -> ApiKeys:
@@ -57,10 +57,12 @@ class ApiKeys:
     def _matching(self, metadata: Iterable[tuple[str, str | bytes]] | Mapping[str, str] | None) -> bytes | None:
         pairs = metadata.items() if isinstance(metadata, Mapping) else (metadata or ())
         header = next((value for key, value in pairs if key.lower() == "authorization"), "")
-        text = header.decode() if isinstance(header, bytes) else header
-        scheme, _, offered = text.partition(" ")
-        if scheme.lower() != "bearer" or not offered:
+        # Compared as bytes, so a header that is not UTF-8 is a wrong key, not an error: aiohttp hands such bytes
+        # over as surrogates (surrogateescape gives them back), gRPC as latin-1 text or raw bytes.
+        raw = header if isinstance(header, bytes) else header.encode("utf-8", "surrogateescape")
+        scheme, _, offered = raw.partition(b" ")
+        if scheme.lower() != b"bearer" or not offered:
             return None
-        candidate = offered.strip().encode()
+        candidate = offered.strip()
         matches = [key for key in self._keys if hmac.compare_digest(candidate, key)]  # every key, constant time
         return matches[0] if matches else None

@@ -3,36 +3,68 @@
 from __future__ import annotations
 
 import collections
+import os
 from typing import Any
 
 _PROMPT_CONTEXT = 5  # prompt tokens decoded ahead of the output, so the first token's leading space survives
+# Adds a text may be held for. A character is at most 4 UTF-8 bytes and a byte-level token holds at least one, so a
+# character split across tokens is whole within 4 of them. Text still unfinished after that (lone bytes, broken
+# UTF-8) goes out as it decodes, U+FFFD included: the window stays a few tokens long, so any sequence of tokens costs
+# time linear in its length.
+_MAX_HELD = 4
 
 
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas.
 
-    Decodes a small window of ids twice, with and without the newest ones, and emits the difference only once
-    it no longer ends in U+FFFD: a byte-level token can hold half of a multi-byte character.
+    Decodes a small window of ids, the tokens of the last delta (for context) and those since, and emits what the
+    newest ones add once it no longer ends in U+FFFD: a byte-level token can hold half of a multi-byte character.
+    After `_MAX_HELD` adds the text goes out anyway, all but a last U+FFFD, which the next tokens may still finish
+    as a character; so the deltas join to what a whole decode gives.
     """
 
     def __init__(self, tokenizer: Any, prompt_ids: list[int]) -> None:
         self._tokenizer = tokenizer
+        # special tokens, whose text the decode skips: kept out of the window, so they hold nothing up
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        self._skipped = frozenset(i for i, token in added.items() if getattr(token, "special", False))
         self._ids = list(prompt_ids[-_PROMPT_CONTEXT:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
+        self._prefix = self._decode(self._ids)  # the text of ids[prefix_offset:read_offset]
+        self._emitted = len(self._prefix)  # how much of it is out: all, or all but a last U+FFFD
+        self._held_adds = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self._tokenizer.decode(ids, skip_special_tokens=True))
 
     def add(self, token_ids: list[int]) -> str:
+        token_ids = [token for token in token_ids if token not in self._skipped]
+        if not token_ids:  # done, unless half a character is held before them
+            return ""
         self._ids.extend(token_ids)
-        decode = self._tokenizer.decode
-        prefix = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
-        full = decode(self._ids[self._prefix_offset :], skip_special_tokens=True)
-        if full == prefix:  # tokens without text (special ones, skipped): done, not held
-            self._read_offset = len(self._ids)
+        full = self._decode(self._ids[self._prefix_offset :])
+        if full == self._prefix and not full.endswith("\ufffd"):  # other tokens without text: done, and dropped
+            del self._ids[self._read_offset :]
+            self._held_adds = 0
             return ""
-        if len(full) < len(prefix) or full.endswith("\ufffd"):
-            return ""
+        self._held_adds += 1
+        if len(full) < self._emitted or full.endswith("\ufffd"):
+            if self._held_adds <= _MAX_HELD:
+                return ""
+            return self._emit(full, keep_last=full.endswith("\ufffd"))
+        return self._emit(full, keep_last=False)
+
+    def _emit(self, full: str, keep_last: bool) -> str:
+        """What `full` adds to the text out so far; the window then starts at the tokens just read."""
+        out = self._prefix[: self._emitted]
+        start = len(out) if full.startswith(out) else len(os.path.commonprefix([out, full]))
+        end = len(full) - keep_last
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return full[len(prefix) :]
+        self._prefix = self._decode(self._ids[self._prefix_offset :])
+        self._emitted = len(self._prefix) - keep_last
+        self._held_adds = 0
+        return full[start:end]
 
     @property
     def holding(self) -> bool:
@@ -42,11 +74,9 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """The text still held back, once no token follows: a character the last token left unfinished comes out
         as U+FFFD, as a whole decode would show it."""
-        decode = self._tokenizer.decode
-        prefix = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
-        full = decode(self._ids[self._prefix_offset :], skip_special_tokens=True)
-        self._prefix_offset = self._read_offset = len(self._ids)
-        return full[len(prefix) :] if len(full) > len(prefix) else ""
+        if not self.holding and self._emitted == len(self._prefix):
+            return ""
+        return self._emit(self._decode(self._ids[self._prefix_offset :]), keep_last=False)
 
 
 class StopMatcher:

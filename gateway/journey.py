@@ -7,6 +7,7 @@ error, or the caller's cancellation) cancels both worker calls, and each worker 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import random
@@ -20,7 +21,7 @@ from opentelemetry import trace
 
 from gateway.errors import GatewayError, NoDecodeCapacity
 from gateway.request import GenerateParams
-from gateway.workers import PairBreakers, Pool, Worker
+from gateway.workers import Colocation, PairBreakers, Pool, Worker
 from protos import decode_pb2, prefill_pb2
 from protos.convert import sampling_to_pb
 from serving import tracing
@@ -29,12 +30,16 @@ log = logging.getLogger(__name__)
 
 
 # Worker statuses worth another attempt on another worker: it died or is unreachable, its queue was full, the
-# KV arrived damaged or not within decode's lease, it failed inside, or it ended the call itself (CANCELLED
-# from a worker: the gateway's own cancel never arrives as a status). Never: the request's own faults or a model
-# mismatch. The client's deadline and cancel end the request itself, and a retry never starts past the deadline.
+# KV arrived damaged or not within decode's lease (its prefill worker died, froze or lost its way there), it
+# failed inside, or it ended the call itself (CANCELLED from a worker: the gateway's own cancel never arrives as a
+# status). Never: the request's own faults or a model mismatch. The client's deadline and cancel end the request
+# itself, and a retry never starts past the deadline.
 _RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DATA_LOSS,
                         grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED,
                         grpc.StatusCode.CANCELLED})
+
+
+MIN_HEARTBEAT_MS = 50  # decode_service's floor
 
 
 def kv_address(worker: str, kv_port: int) -> str:
@@ -53,6 +58,7 @@ class RetryPolicy:
     # A live decode worker answers a reservation in milliseconds and sends tokens every step (tens of ms, a
     # second at worst on a loaded CPU); one silent this long where it owes the next event is taken for frozen
     # (SIGSTOP, a hung kernel, a black-holed link) and the request moves on. None: wait as long as the call lasts.
+    # A colocated prompt's prefill is bounded the same way: its worker sends a heartbeat every third of it.
     idle_timeout_s: float | None = 5.0
 
     def delay(self, attempt: int) -> float:
@@ -121,7 +127,7 @@ def _finished_by(params: GenerateParams, sent: list[int], eos_token_ids: frozens
 
 async def run_with_failover(
     params: GenerateParams, prefill: Pool, decode: Pool, timings: Timings, deadline: float | None,
-    colocated: bool, policy: RetryPolicy, pairs: PairBreakers | None = None,
+    colocation: Colocation | bool, policy: RetryPolicy, pairs: PairBreakers | None = None,
     eos_token_ids: frozenset[int] = frozenset(),
 ) -> AsyncGenerator[Tokens, None]:
     """`run`, retried on other workers when a worker fails, within the deadline (loop time) and the policy.
@@ -129,7 +135,30 @@ async def run_with_failover(
     Before any token reached the caller a failure is retried from the reservation on. After, the stream
     migrates: the tokens sent join the prompt, a new reservation and prefill take over, and the caller sees
     one stream with no token repeated or missing. A failure after the stream's last token (max_tokens reached,
-    or an eos in `eos_token_ids`) ends it with that finish instead."""
+    or an eos in `eos_token_ids`) ends it with that finish instead.
+
+    Each attempt asks `colocation` whether its prompt (a migrated stream's includes the tokens sent) is prefilled
+    by the decode worker itself, at the prefill pool's load then; a bool decides once for every attempt.
+    A worker's DEADLINE_EXCEEDED (decode's lease) that ends the request reaches the caller as UNAVAILABLE: only
+    the caller's own deadline is DEADLINE_EXCEEDED."""
+    loop = asyncio.get_running_loop()
+    attempts = _with_failover(params, prefill, decode, timings, deadline, colocation, policy, pairs, eos_token_ids)
+    try:
+        async with contextlib.aclosing(attempts):  # closed early, its worker calls end now, not at GC
+            async for tokens in attempts:
+                yield tokens
+    except GatewayError as exc:
+        if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED and (deadline is None or loop.time() < deadline):
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"{exc.message} (the request's own deadline had not "
+                               "passed; retry)", exc.worker) from None
+        raise
+
+
+async def _with_failover(
+    params: GenerateParams, prefill: Pool, decode: Pool, timings: Timings, deadline: float | None,
+    colocation: Colocation | bool, policy: RetryPolicy, pairs: PairBreakers | None,
+    eos_token_ids: frozenset[int],
+) -> AsyncGenerator[Tokens, None]:
     loop = asyncio.get_running_loop()
     capacity_until, poll = loop.time() + policy.capacity_wait_s, policy.capacity_poll_s
     sent: list[int] = []
@@ -137,6 +166,8 @@ async def run_with_failover(
     while True:
         attempt = params if not sent else params.continued(sent)
         timeout = None if deadline is None else max(0.0, deadline - loop.time())
+        colocated = (colocation if isinstance(colocation, bool)
+                     else colocation.applies(len(attempt.prompt_ids), prefill))
         try:
             async for tokens in run(attempt, prefill, decode, timings, timeout, colocated, frozenset(failed), pairs,
                                     policy.idle_timeout_s):
@@ -191,11 +222,15 @@ async def reserve(
 
     A worker that sends no reservation within `idle_timeout_s` is taken for frozen and the next one is asked:
     when the healthy workers are full, the frozen one (tried last) must not hold the request forever.
-    Colocated, the call carries the prompt and the decode worker prefills it itself."""
+    Colocated, the call carries the prompt and the decode worker prefills it itself, sending a heartbeat every
+    third of `idle_timeout_s` until its first token."""
     request = decode_pb2.DecodeRequest(
         request_id=params.request_id, prompt_tokens=len(params.prompt_ids), max_tokens=params.max_tokens,
         sampling=sampling_to_pb(params.sampling), ignore_eos=params.ignore_eos,
-        prompt_token_ids=params.prompt_ids if colocated else [], decoded_tokens=params.decoded if colocated else 0)
+        prompt_token_ids=params.prompt_ids if colocated else [], decoded_tokens=params.decoded if colocated else 0,
+        cache_salt=params.cache_salt if colocated else "")
+    if colocated and idle_timeout_s is not None:
+        request.heartbeat_ms = max(MIN_HEARTBEAT_MS, int(idle_timeout_s * 1000 / 3))
     refusals: list[tuple[grpc.StatusCode, str]] = []
     for worker in pool.in_turn(avoid):
         call = worker.stub.Generate(request, timeout=rpc_timeout, metadata=tracing.outgoing())
@@ -239,7 +274,8 @@ async def run(
 ) -> AsyncGenerator[Tokens, None]:
     """The request's tokens, one attempt. Colocated, one decode worker does both phases: no prefill call, no KV
     transfer. Workers in `avoid` (addresses that failed this request before) are tried last. A decode worker
-    silent for `idle_timeout_s` mid-stream fails the attempt (UNAVAILABLE), so the stream migrates.
+    silent for `idle_timeout_s` mid-stream, or while it prefills a colocated prompt, fails the attempt
+    (UNAVAILABLE), so the stream is retried or migrates.
 
     Each worker's `calls` counts this attempt's call on it while it lasts: a worker that left the pool keeps
     its channel open until they end (Pool.refresh)."""
@@ -252,8 +288,7 @@ async def run(
     if colocated:
         timings.kv_transport = "colocated"
         try:
-            async for tokens in _decoded(decode_call, decode_worker, None, idle_timeout_s=idle_timeout_s,
-                                         first_unbounded=True):
+            async for tokens in _decoded(decode_call, decode_worker, None, idle_timeout_s=idle_timeout_s):
                 yield tokens
                 if tokens.finish_reason:
                     break
@@ -264,12 +299,12 @@ async def run(
     # a prefill worker whose path to this decode worker failed lately goes last, like a failed worker
     broken = frozenset(w.address for w in prefill.workers if pairs.is_open(w.address, decode_worker.address))
     # (by the prefix it may hold: never the decoded tokens of a migrated stream, which no prefill worker caches)
-    prefill_worker = prefill.in_turn(avoid | broken, params.cacheable_ids)[0]
+    prefill_worker = prefill.in_turn(avoid | broken, params.cacheable_ids, params.cache_salt)[0]
     prefill_call = prefill_worker.stub.Prefill(prefill_pb2.PrefillRequest(
         request_id=params.request_id, token_ids=params.prompt_ids, sampling=sampling_to_pb(params.sampling),
         decode_address=kv_address(decode_worker.address, reservation.kv_port), reservation_token=reservation.token,
-        shm_segment=reservation.shm_segment, decoded_tokens=params.decoded), timeout=rpc_timeout,
-        metadata=tracing.outgoing())
+        shm_segment=reservation.shm_segment, decoded_tokens=params.decoded, cache_salt=params.cache_salt,
+        lease_ms=reservation.lease_ms), timeout=rpc_timeout, metadata=tracing.outgoing())
     prefill_worker.calls += 1
     transfer: asyncio.Future[prefill_pb2.PrefillEvent] | None = None
     decode_read: asyncio.Future | None = None
@@ -317,8 +352,8 @@ async def _first_token(
     prefill_call: grpc.aio.UnaryStreamCall, prefill_worker: Worker,
     decode_call: grpc.aio.UnaryStreamCall, decode_worker: Worker,
 ) -> tuple[prefill_pb2.PrefillEvent, asyncio.Future]:
-    """Prefill's first token, watching decode meanwhile: while the prompt waits in prefill's queue, the
-    reservation's lease may end, and the client must see decode's DEADLINE_EXCEEDED, not the refusal of a
+    """Prefill's first token, watching decode meanwhile: the reservation's lease ends when the prefill worker stops
+    renewing it (it died, froze, or cannot reach decode), and that is the failure to retry, not the refusal of a
     transfer that comes too late. Returns the first-token event and decode's pending (or finished) read."""
     first = asyncio.ensure_future(_prefill_event(prefill_call, prefill_worker, "first_token"))
     decode_read = asyncio.ensure_future(_read(decode_call, decode_worker, "decode"))
@@ -356,19 +391,17 @@ def _record_transfer(timings: Timings, event: prefill_pb2.PrefillEvent) -> None:
 
 async def _decoded(
     call: grpc.aio.UnaryStreamCall, worker: Worker, transfer: asyncio.Future | None,
-    read: asyncio.Future | None = None, idle_timeout_s: float | None = None, first_unbounded: bool = False,
+    read: asyncio.Future | None = None, idle_timeout_s: float | None = None,
 ) -> AsyncIterator[Tokens]:
     """Decode's token events; while the KV transfer is still open, a prefill failure ends the stream at once.
 
     `read` is a _read() of the call already under way; `transfer` is None for a colocated request. Once the KV
-    is in (the transfer done, or none), the worker must send each event within `idle_timeout_s`; colocated
-    (`first_unbounded`), the first tokens wait for the worker's own prefill, which may queue: only keepalive
-    bounds that wait."""
-    bounded = not first_unbounded
+    is in (the transfer done, or none), the worker must send each event within `idle_timeout_s`; colocated, the
+    first ones are the heartbeats of its own prefill, however long that queues or runs."""
     while True:
         read = read or asyncio.ensure_future(_read(call, worker, "decode"))
         try:
-            await _next_event(read, transfer, worker, idle_timeout_s if bounded else None)
+            await _next_event(read, transfer, worker, idle_timeout_s)
         except BaseException:
             read.cancel()
             raise
@@ -376,7 +409,9 @@ async def _decoded(
         if event is grpc.aio.EOF:
             raise GatewayError(grpc.StatusCode.INTERNAL, f"decode worker {worker.address} ended without finishing",
                                worker, retryable=True)
-        read, bounded = None, True
+        read = None
+        if event.WhichOneof("event") == "prefilling":  # a colocated prompt's heartbeat: alive, no token yet
+            continue
         yield Tokens(list(event.tokens.token_ids), event.tokens.finish_reason)
 
 
@@ -395,4 +430,5 @@ async def _next_event(read: asyncio.Future, transfer: asyncio.Future | None, wor
         await asyncio.wait([read], timeout=idle_timeout_s)
     if not read.done():
         raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"decode worker {worker.address} sent nothing for "
-                           f"{idle_timeout_s:g} s mid-stream: taken for frozen", worker, retryable=True)
+                           f"{idle_timeout_s:g} s where it owed tokens or a heartbeat: taken for frozen", worker,
+                           retryable=True)

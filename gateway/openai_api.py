@@ -29,7 +29,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from gateway.errors import GatewayError, InvalidRequest
+from gateway.errors import DEFAULT_CLIENT_STALL_TIMEOUT_S, ClientStalled, GatewayError, InvalidRequest
 from gateway.request import MAX_MESSAGES, MAX_STOP_STRINGS, check_stop
 from protos import gateway_pb2
 from protos.types import check_temperature
@@ -71,7 +71,7 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 # The fields read; any other is ignored with a warning, as vLLM does (its requests allow extra fields and log
 # "fields were present in the request but ignored"), so clients that send newer OpenAI fields keep working.
 _FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
-           "ignore_eos", "n", "user", *_UNSUPPORTED}
+           "ignore_eos", "n", "user", "cache_salt", *_UNSUPPORTED}
 _COMPLETION_FIELDS = _FIELDS | {"prompt"}
 _CHAT_FIELDS = _FIELDS | {"messages", "max_completion_tokens"}
 
@@ -150,13 +150,25 @@ def _failed(exc: GatewayError) -> web.Response:
     return web.json_response(body, status=status, headers=headers)
 
 
+async def _write(out: web.StreamResponse, data: bytes, stall_s: float) -> None:
+    """One write of a stream; ClientStalled once the client leaves it undrained for `stall_s` (out.write waits only
+    when the socket's buffers are full, so only a client that stopped reading ever waits here)."""
+    try:
+        async with asyncio.timeout(stall_s):
+            await out.write(data)
+    except TimeoutError:
+        raise ClientStalled(stall_s) from None
+
+
 class OpenAIServer:
     def __init__(self, servicer: Any, model_name: str, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-                 deadline_s: float = DEFAULT_HTTP_DEADLINE_S) -> None:
+                 deadline_s: float = DEFAULT_HTTP_DEADLINE_S,
+                 stall_timeout_s: float = DEFAULT_CLIENT_STALL_TIMEOUT_S) -> None:
         """`servicer`: the GatewayServicer whose `stream`, `tokenizer`, `keys` and `model` it uses. `deadline_s`:
         every HTTP request's deadline (HTTP clients send none; without one a request could wait forever)."""
         self.servicer, self.model_name, self.body_timeout_s = servicer, model_name, body_timeout_s
         self.deadline_s = deadline_s
+        self.stall_timeout_s = stall_timeout_s  # a stream the client leaves undrained this long is cut
         self.created = int(time.time())
         app = web.Application(middlewares=[self._errors_and_keys], client_max_size=MAX_BODY_BYTES)
         app.router.add_get("/v1/models", self.models)
@@ -217,7 +229,7 @@ class OpenAIServer:
             return error(exc.status, exc.message, param=exc.param, code=code)
         headers = {key.lower(): value for key, value in request.headers.items()}  # traceparent, if sent
         deadline = asyncio.get_running_loop().time() + self.deadline_s
-        responses = self.servicer.stream(generate, deadline, headers)
+        responses = self.servicer.stream(generate, deadline, headers, peer=request.remote or "")
         async with contextlib.aclosing(responses):
             try:  # the first response decides the status: a refusal is an HTTP error, not a stream
                 first = await anext(responses)
@@ -269,25 +281,36 @@ class OpenAIServer:
                                           "X-Request-Id": first.request_id})
         await out.prepare(request)
 
-        async def send(payload: object) -> None:
-            await out.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+        stall_s = self.stall_timeout_s
 
-        if reply.chat:
-            await send(reply.chunk({"role": "assistant", "content": ""}, None, include_usage))
-        response: gateway_pb2.GenerateResponse | None = first
+        async def send(payload: object) -> None:
+            await _write(out, b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n", stall_s)
+
         try:
-            while response is not None:
-                if response.text or response.token_ids or response.finish_reason:
-                    await send(reply.chunk(response.text, response.finish_reason or None, include_usage,
-                                           tokens=bool(response.token_ids)))
-                if response.finish_reason:
-                    if include_usage:
-                        await send(reply.usage_chunk(response.usage))
-                    break
-                response = await anext(responses, None)
-        except GatewayError as exc:  # mid-stream: the status is sent already, so the error is an event
-            await send(_failure(exc)[1])
-        await out.write(b"data: [DONE]\n\n")
+            if reply.chat:
+                await send(reply.chunk({"role": "assistant", "content": ""}, None, include_usage))
+            response: gateway_pb2.GenerateResponse | None = first
+            try:
+                while response is not None:
+                    if response.text or response.token_ids or response.finish_reason:
+                        await send(reply.chunk(response.text, response.finish_reason or None, include_usage,
+                                               tokens=bool(response.token_ids)))
+                    if response.finish_reason:
+                        if include_usage:
+                            await send(reply.usage_chunk(response.usage))
+                        break
+                    response = await anext(responses, None)
+            except GatewayError as exc:  # mid-stream: the status is sent already, so the error is an event
+                await send(_failure(exc)[1])
+            await _write(out, b"data: [DONE]\n\n", stall_s)
+        except ClientStalled as exc:
+            # Cut: the stream's place and worker calls are freed as this returns (_serve closes the responses),
+            # and the connection is closed under the client, its unread bytes dropped.
+            self.servicer.metrics.count("pdserve_client_stalls")
+            log.warning("%s (%s)", exc, request.remote)
+            if request.transport is not None:
+                request.transport.abort()
+            return out
         await out.write_eof()
         return out
 
@@ -355,6 +378,10 @@ class OpenAIServer:
         if not isinstance(ignore_eos, bool):
             raise BadParameter("ignore_eos", "ignore_eos must be a boolean")
         generate.ignore_eos = ignore_eos
+        salt = body.get("cache_salt")  # as vLLM's: a non-empty string when given (its length: parse_request)
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise BadParameter("cache_salt", "cache_salt must be a non-empty string")
+        generate.cache_salt = _unicode(salt or "", "cache_salt")
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise BadParameter("stream", "stream must be a boolean")

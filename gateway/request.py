@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import hashlib
 import secrets
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +19,7 @@ from jinja2 import TemplateError
 
 from gateway.errors import InvalidRequest
 from protos import gateway_pb2
-from protos.types import SamplingParams
+from protos.types import SamplingParams, check_cache_salt
 
 DEFAULT_MAX_TOKENS = 128
 MAX_REQUEST_ID_CHARS = 128
@@ -30,11 +32,15 @@ MAX_STOP_CHARS = 1000
 # rendered through the chat template, so the count bounds that work; no model's context holds more turns anyway.
 MAX_MESSAGES = 2048
 
-# Tokenizing and rendering chat templates take time linear in the prompt (seconds for megabytes). They run on
-# these threads, never on the event loop (the Rust tokenizer lets go of the GIL while it encodes), two at a time
-# so that one long prompt does not queue every other behind it, and no more, so that a flood of long prompts
-# takes at most two of the host's cores from the workers. A prompt is measured before it is queued here.
-_TOKENIZING = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+# Tokenizing and rendering chat templates take time linear in the prompt (up to ~1 s for a prompt at the size
+# limit). They run on threads, never on the event loop (the Rust tokenizer lets go of the GIL while it encodes), in
+# two lanes of one thread each: prompts up to SHORT_PROMPT_CHARS (~4k tokens, ~10 ms) in one, longer ones in the
+# other, so that a flood of long prompts never queues a short one behind it, and takes at most one of the host's
+# cores from the workers. Requests reach the lanes only once admitted (server.py), so a lane holds at most
+# --max-in-flight jobs; a job whose request's deadline passed while it waited is dropped unrun.
+SHORT_PROMPT_CHARS = 16384
+_SHORT_LANE = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+_LONG_LANE = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize-long")
 _T = TypeVar("_T")
 _M = TypeVar("_M", bound=Message)
 
@@ -68,6 +74,7 @@ class GenerateParams:
     stop: list[str]
     ignore_eos: bool
     decoded: int = 0  # how many of prompt_ids, at their end, decode steps generated (a continuation's sent tokens)
+    cache_salt: str = ""  # the prefix-cache namespace the workers get (effective_cache_salt); "" is the shared one
 
     @property
     def cacheable_ids(self) -> list[int]:
@@ -134,8 +141,29 @@ def _no_room(tokens: int, max_model_len: int) -> InvalidRequest:
                           "room for at least one generated token")
 
 
-async def _off_loop(work: Callable[..., _T], *args: Any) -> _T:
-    return await asyncio.get_running_loop().run_in_executor(_TOKENIZING, work, *args)
+async def _off_loop(work: Callable[..., _T], *args: Any, chars: int = 0, deadline: float | None = None) -> _T:
+    """`work(*args)` in the tokenizing lane for `chars` characters of text; dropped unrun once `deadline` (loop
+    time, which is time.monotonic) has passed. Cancelling the caller drops it too, if it has not started."""
+
+    def run() -> _T:
+        if deadline is not None and time.monotonic() > deadline:
+            raise InvalidRequest("the request's deadline passed while it waited to be tokenized")
+        return work(*args)
+
+    lane = _LONG_LANE if chars > SHORT_PROMPT_CHARS else _SHORT_LANE
+    return await asyncio.get_running_loop().run_in_executor(lane, run)
+
+
+def effective_cache_salt(cache_salt: str, tenant: str) -> str:
+    """The prefix-cache namespace of a request: its own cache_salt if it gave one (a secret: whoever sends the same
+    salt shares the cache, across API keys too), else its API key's (`tenant`), else "" (a gateway without keys is
+    one tenant). Hashed with which of the two it is, so no salt a client chooses names a key's namespace, and the
+    client's secret goes no further than the gateway."""
+    if cache_salt:
+        return hashlib.sha256(b"pdserve-cache-salt\0" + cache_salt.encode()).hexdigest()
+    if tenant:
+        return hashlib.sha256(b"pdserve-cache-tenant\0" + tenant.encode()).hexdigest()
+    return ""
 
 
 def check_stop(stop: Sequence[str]) -> None:
@@ -149,11 +177,12 @@ def check_stop(stop: Sequence[str]) -> None:
 
 
 async def parse_request(
-    request: gateway_pb2.GenerateRequest, tokenizer: Any, vocab_size: int, max_model_len: int
+    request: gateway_pb2.GenerateRequest, tokenizer: Any, vocab_size: int, max_model_len: int, tenant: str = "",
+    deadline: float | None = None,
 ) -> GenerateParams:
-    """Every check costs time linear in what the request carries, and the cheap ones come first. A prompt or a
-    conversation too long to fit the context is refused by its length in characters, before any tokenizing; what
-    is tokenized is tokenized off the event loop."""
+    """`tenant`: who sent it (auth.ApiKeys.tenant). Every check costs time linear in what the request carries, and
+    the cheap ones come first. A prompt or a conversation too long to fit the context is refused by its length in
+    characters, before any tokenizing; what is tokenized is tokenized off the event loop."""
     if isinstance(request, Undecodable):  # from lenient(): refused here, as every other bad request is
         raise InvalidRequest(request.error)
     given = [name for name in ("prompt", "token_ids", "messages") if getattr(request, name)]
@@ -168,7 +197,11 @@ async def parse_request(
     if not request.request_id.isprintable():  # it is logged: a newline in it would forge log lines
         raise InvalidRequest("request_id may hold printable characters only")
     check_stop(request.stop)
-    prompt_ids = await _prompt_ids(request, tokenizer, vocab_size, max_model_len)
+    try:
+        check_cache_salt(request.cache_salt)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    prompt_ids = await _prompt_ids(request, tokenizer, vocab_size, max_model_len, deadline)
     room = max_model_len - len(prompt_ids)
     if room < 1:
         raise _no_room(len(prompt_ids), max_model_len)
@@ -183,6 +216,7 @@ async def parse_request(
         sampling=sampling,
         stop=list(request.stop),
         ignore_eos=request.ignore_eos,
+        cache_salt=effective_cache_salt(request.cache_salt, tenant),
     )
 
 
@@ -199,17 +233,20 @@ def _sampling(request: gateway_pb2.GenerateRequest) -> SamplingParams:
 
 
 async def _prompt_ids(
-    request: gateway_pb2.GenerateRequest, tokenizer: Any, vocab_size: int, max_model_len: int
+    request: gateway_pb2.GenerateRequest, tokenizer: Any, vocab_size: int, max_model_len: int,
+    deadline: float | None = None,
 ) -> list[int]:
-    max_chars = await _off_loop(max_prompt_chars, tokenizer, max_model_len)
+    max_chars = await _off_loop(max_prompt_chars, tokenizer, max_model_len)  # computed once per tokenizer
     if request.messages:
         turns = chat_turns(request.messages, tokenizer, max_chars)
-        return await _off_loop(chat_prompt, turns, tokenizer)
+        chars = sum(len(turn["content"]) for turn in turns)
+        return await _off_loop(chat_prompt, turns, tokenizer, chars=chars, deadline=deadline)
     if request.prompt:
         if len(request.prompt) > max_chars:
             raise InvalidRequest(f"prompt is {len(request.prompt)} characters; none over {max_chars} can fit the "
                                  f"model's context of {max_model_len} tokens")
-        prompt_ids = await _off_loop(lambda: list(tokenizer.encode(request.prompt)))
+        prompt_ids = await _off_loop(lambda: list(tokenizer.encode(request.prompt)), chars=len(request.prompt),
+                                     deadline=deadline)
         if not prompt_ids:
             raise InvalidRequest("prompt tokenizes to no tokens")
         return prompt_ids

@@ -126,9 +126,10 @@ _NAME_BYTES = sys.getsizeof(bytes(16))  # a block name (xxh3-128) as a Python ob
 
 
 class PrefixIndex:
-    """Which prompt prefixes the gateway sent to which worker, as chained block names (protos/types.py, in the
-    block size each worker's GetInfo gives): an approximate picture of each worker's prefix cache, kept without asking
-    the workers, least recently sent forgotten first (as SGLang's router and llm-d's prefix scorer keep theirs)."""
+    """Which prompt prefixes the gateway sent to which worker, as chained block names (protos/types.py, salted with
+    each request's cache salt, in the block size each worker's GetInfo gives): an approximate picture of each
+    worker's prefix cache, kept without asking the workers, least recently sent forgotten first (as SGLang's router
+    and llm-d's prefix scorer keep theirs)."""
 
     def __init__(self, capacity: int = PREFIX_INDEX_BLOCKS) -> None:
         self.capacity = capacity
@@ -198,7 +199,8 @@ class Colocation:
     """Which prompts go to a decode worker that prefills them itself (conditional disaggregation): those shorter
     than `below` tokens, and only while the prefill pool is busy, its least loaded worker holding at least `queued`
     prompt tokens queued or running, or none of its workers serving. A short prompt then skips a queue behind a
-    document, and one sent while prefill is idle costs the decode batch nothing (docs/architecture.md)."""
+    document, and one sent while prefill is idle costs the decode batch nothing (docs/architecture.md). The journey
+    asks again for every attempt: a migrated stream's prompt holds the tokens sent, and may be long by then."""
 
     below: int = 0  # 0: never (but for a gateway with no prefill workers)
     queued: int = 0  # 0: every prompt under `below`
@@ -289,13 +291,15 @@ class Pool:
         for worker in done:
             await worker.channel.close()
 
-    def in_turn(self, avoid: frozenset[str] = frozenset(), prompt: Sequence[int] = ()) -> list[Worker]:
+    def in_turn(self, avoid: frozenset[str] = frozenset(), prompt: Sequence[int] = (),
+                cache_salt: str = "") -> list[Worker]:
         """Every worker once, best first: not in `avoid` (addresses that failed this request), serving, breaker
         closed, least loaded; ties in round-robin order. The first is counted as picked.
 
         With a `prompt` (prefill) and `prefix_balance_tokens` >= 0, the worker most likely to hold the prompt's
         longest prefix goes first instead, as long as its load is within `prefix_balance_tokens` queued tokens of
-        the least loaded worker's: a hot prefix spills to other workers rather than queue on one."""
+        the least loaded worker's: a hot prefix spills to other workers rather than queue on one. Prefixes are named
+        under `cache_salt`, as the workers cache them: a prompt is never steered by another salt's prefix."""
         start = next(self._turn) % len(self.workers)
         now = time.monotonic()
         ordered = self.workers[start:] + self.workers[:start]
@@ -305,11 +309,13 @@ class Pool:
 
         ordered.sort(key=lambda w: (w.address in avoid, not healthy(w), w.load()))  # stable
         if prompt and self.prefix_balance_tokens >= 0:
-            self._prefix_first(ordered, [w for w in ordered if w.address not in avoid and healthy(w)], prompt)
+            self._prefix_first(ordered, [w for w in ordered if w.address not in avoid and healthy(w)], prompt,
+                               cache_salt)
         ordered[0].picked += 1
         return ordered
 
-    def _prefix_first(self, ordered: list[Worker], eligible: list[Worker], prompt: Sequence[int]) -> None:
+    def _prefix_first(self, ordered: list[Worker], eligible: list[Worker], prompt: Sequence[int],
+                      cache_salt: str) -> None:
         """Move the eligible worker most likely to hold the prompt's longest prefix to the front of `ordered`, if its
         load is within prefix_balance_tokens of the least loaded one's; then record the prompt's blocks as sent to
         whichever worker is first."""
@@ -318,7 +324,7 @@ class Pool:
         def names(w: Worker) -> list[bytes]:
             size = w.prefix_block_tokens  # as that worker's GetInfo said
             if size not in blocks:
-                blocks[size] = block_names(prompt, size) if size else []
+                blocks[size] = block_names(prompt, size, cache_salt) if size else []
             return blocks[size]
 
         home = self.prefixes.best([(w.address, names(w)) for w in eligible])

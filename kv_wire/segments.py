@@ -14,7 +14,8 @@ KV is read from it until it joins the batch. A segment whose request ended any o
 writer may still hold it), never lent again. A segment's first page is a stamp: the
 hash of the reservation token it is lent to, so prefill writes only into the segment lent to its own
 request, and notices (between layers) when the lease was taken back. Segments of a process that was killed
-stay in /dev/shm until the next decode worker starts and removes every segment whose owner is gone.
+stay in /dev/shm until the next decode worker starts and removes every segment whose owner is gone; a normal
+exit removes its own, then its lock.
 
 Whether an owner is gone is told by a lock, not by its pid alone: each owner holds an flock on
 `pdserve-kv-<pid>-<tag>.lock` for its life, and its segments' random part starts with that tag. Whoever can take
@@ -276,11 +277,32 @@ def _owner_tag() -> str:
                 fd = os.open(staging, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 os.rename(staging, lock)
-                atexit.register(_unlink, lock.name)
             except OSError as exc:  # no /dev/shm: the segments fail anyway; a sweep falls back to the pid
                 log.warning("no owner lock for shared-memory KV segments: %s", exc)
             _owner = (pid, tag, fd)
         return _owner[1]
+
+
+def _release_owner() -> None:
+    """At a normal exit: remove this process's segments (held ones too), then its lock, the last. A lock removed
+    first would leave a sweep only the pid to judge them by, which another pid namespace may reuse. A segment that
+    cannot be removed keeps the lock file: it is free once this process is gone, so the next sweep takes both."""
+    if _owner is None or _owner[0] != os.getpid():
+        return
+    prefix = f"{SEGMENT_PREFIX}{_owner[0]}-{_owner[1]}"
+    for path in SHM_DIR.glob(f"{prefix}*"):
+        if _SEGMENT_NAME.match(path.name):
+            _unlink(path.name)
+    if not _segments_left(prefix):
+        _unlink(f"{prefix}.lock")
+
+
+def _segments_left(prefix: str) -> bool:
+    """Whether a segment named `prefix` + random is in /dev/shm: its owner's lock must stay while one is."""
+    return any(_SEGMENT_NAME.match(path.name) for path in SHM_DIR.glob(f"{prefix}*"))
+
+
+atexit.register(_release_owner)  # at import: it runs after every pool's close (atexit runs last-in, first-out)
 
 
 def remove_orphans() -> int:
@@ -301,7 +323,7 @@ def remove_orphans() -> int:
             removed += _unlink(path.name)
     for path in SHM_DIR.glob(f"{SEGMENT_PREFIX}*.lock"):  # after their segments: a lock left alone means alive
         match = _LOCK_NAME.match(path.name)
-        if match and not _owner_alive(int(match.group(1)), match.group(2)):
+        if match and not _owner_alive(int(match.group(1)), match.group(2)) and not _segments_left(path.name[:-5]):
             _unlink(path.name)
     if removed:
         log.info("removed %d shared-memory KV segments left by dead processes", removed)

@@ -3,12 +3,13 @@ only runs the forward pass over what follows.
 
 A prompt is cut into blocks of `block_tokens`; block i is named by a hash chained from the start of the sequence
 (hash of block i-1's name and block i's tokens), so a name stands for the whole prefix up to and including that
-block, and equal names mean equal prefixes. The cache maps names to that block's KV (every layer's keys and
-values for its positions), within a byte budget, evicting the least recently used block first. A lookup takes
-the longest run of cached blocks from the start, and always leaves at least one token to compute: the last
-position's logits give the first token. Lookups and inserts refresh a prefix's blocks deepest first, so a block
-is always more recent than the blocks after it: eviction takes leaves first, and a shared root outlives the
-branches that hang from it.
+block, and equal names mean equal prefixes. A request's cache salt seeds the chain (by default the gateway gives
+each API key its own), so a prompt only ever matches blocks cached under its own salt. The cache maps names to
+that block's KV (every layer's keys and values for its positions), within a byte budget, evicting the least
+recently used block first. A lookup takes the longest run of cached blocks from the start, and always leaves at
+least one token to compute: the last position's logits give the first token. Lookups and inserts refresh a
+prefix's blocks deepest first, so a block is always more recent than the blocks after it: eviction takes leaves
+first, and a shared root outlives the branches that hang from it.
 
 Only a prompt whose prefill completed is inserted (never a cancelled one's partial KV). A block evicted while a
 queued prompt still counts on it stays alive through that prompt's reference until its first pass copies it.
@@ -71,10 +72,10 @@ class PrefixCache:
         """The pool as far as it has been written: what it adds to the process's resident memory."""
         return 0 if self._pool is None else self._written * self._pool[0].numel() * self._pool.element_size()
 
-    def match(self, tokens: Sequence[int]) -> list[Block]:
-        """The longest run of cached blocks `tokens` starts with, leaving at least one token uncached."""
+    def match(self, tokens: Sequence[int], salt: str = "") -> list[Block]:
+        """The longest run of cached blocks `tokens` starts with under `salt`, leaving at least one token uncached."""
         found = []
-        for name in block_names(tokens[: len(tokens) - 1], self.block_tokens):
+        for name in block_names(tokens[: len(tokens) - 1], self.block_tokens, salt):
             block = self._blocks.get(name)
             if block is None:
                 break
@@ -83,11 +84,11 @@ class PrefixCache:
             self._blocks.move_to_end(block.name)
         return found
 
-    def insert(self, tokens: Sequence[int], layers: list[LayerKV]) -> int:
-        """Cache the full blocks of a prompt whose prefill completed; `layers` is its KV, (kv_heads, tokens,
-        head_dim) per layer. Returns the blocks placed (a cache smaller than the prompt may have evicted some of
-        them again, its deepest first)."""
-        names = block_names(tokens, self.block_tokens)
+    def insert(self, tokens: Sequence[int], layers: list[LayerKV], salt: str = "") -> int:
+        """Cache the full blocks of a prompt whose prefill completed, under `salt`; `layers` is its KV, (kv_heads,
+        tokens, head_dim) per layer. Returns the blocks placed (a cache smaller than the prompt may have evicted some
+        of them again, its deepest first)."""
+        names = block_names(tokens, self.block_tokens, salt)
         if not names or not self._ready(layers):
             return 0
         placed: list[tuple[int, int, bytes]] = []  # (block index, slot, name) of each block added

@@ -3,7 +3,8 @@
 Life of a request here:
 1. Prefill arrives from the gateway with the prompt's token ids and a decode reservation (address + token).
 2. It waits in the engine's queue (engine.py): short prompts share batched passes, long ones run in chunks that
-   take turns with them, and a prompt that would overflow the queue's token budget is refused.
+   take turns with them, and a prompt that would overflow the queue's token budget is refused. Meanwhile this
+   worker renews the decode reservation's lease (RenewLease) while its engine moves, so a long queue never ends it.
 3. The forward pass runs; as each layer finishes (in the prompt's last pass), its KV is handed to the event
    loop, which streams it to the decode worker (TransferKV: header, chunks, ...) while later layers still
    compute. When decode lent a shared-memory segment this worker can open (same host), the bytes go there and
@@ -24,7 +25,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -42,9 +44,9 @@ from kv_wire.sender import Item, KVSender, encode_stream
 from model_runner import forward
 from model_runner.loading import LoadedModel, ModelConfig, add_model_args, model_config
 from model_runner.prefix_cache import PrefixCache
-from protos import prefill_pb2, prefill_pb2_grpc, worker_pb2
+from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, worker_pb2
 from protos.convert import model_info, sampling_from_pb
-from protos.types import SamplingParams
+from protos.types import SamplingParams, check_cache_salt
 from serving import logs, tracing
 from serving import server as serving
 from serving.metrics import Metrics
@@ -161,6 +163,68 @@ class _KVPush:
             self._items.put_nowait(None)
 
 
+@dataclass
+class _Lent:
+    channel: grpc.aio.Channel
+    in_flight: int = 0  # transfers using it now
+    last_used: float = 0.0
+
+
+class DecodeChannels:
+    """One channel per decode worker address, bounded: decode pods come and go (each new pod IP is a new address),
+    so a channel unused for `max_idle_s` is closed, and beyond `max_channels` the least recently used idle one is.
+    A channel with a transfer in flight (between `acquire` and `release`) is never closed."""
+
+    def __init__(self, connect: Callable[[str], grpc.aio.Channel], max_channels: int = 256,
+                 max_idle_s: float = 300.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._connect, self.max_channels, self.max_idle_s, self._clock = connect, max_channels, max_idle_s, clock
+        self._channels: OrderedDict[str, _Lent] = OrderedDict()  # least recently used first
+        self._closing: set[asyncio.Task] = set()
+
+    def acquire(self, address: str) -> grpc.aio.Channel:
+        lent = self._channels.get(address)
+        if lent is None:
+            lent = self._channels[address] = _Lent(self._connect(address))
+        lent.in_flight += 1
+        lent.last_used = self._clock()
+        self._channels.move_to_end(address)
+        self._evict()
+        return lent.channel
+
+    def held(self, address: str) -> grpc.aio.Channel:
+        """The channel to `address` between an `acquire` and its `release` (it is not closed meanwhile)."""
+        return self._channels[address].channel
+
+    def release(self, address: str) -> None:
+        lent = self._channels[address]
+        lent.in_flight -= 1
+        lent.last_used = self._clock()
+        self._channels.move_to_end(address)
+
+    def __len__(self) -> int:
+        return len(self._channels)
+
+    def _evict(self) -> None:
+        """Close idle channels: those unused for max_idle_s, then the least recently used beyond max_channels.
+        Walks from the least recently used and stops at the first recent one, so each call costs about what it
+        closes plus the transfers in flight."""
+        stale_before, excess = self._clock() - self.max_idle_s, len(self._channels) - self.max_channels
+        idle: list[str] = []
+        for address, lent in self._channels.items():
+            if lent.last_used > stale_before and len(idle) >= excess:
+                break
+            if not lent.in_flight:
+                idle.append(address)
+        for address in idle:
+            task = asyncio.ensure_future(self._channels.pop(address).channel.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    async def close(self) -> None:
+        lent, self._channels = list(self._channels.values()), OrderedDict()
+        await asyncio.gather(*(each.channel.close() for each in lent), *self._closing)
+
+
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, config: PrefillConfig, runner: LoadedModel) -> None:
         self.config = config
@@ -173,7 +237,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                  max_queued_tokens=config.max_queued_tokens, layer_streaming=config.layer_streaming,
                                  prefix_cache=self.prefix_cache)
         self.engine.start()
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = DecodeChannels(lambda address: aio_channel(
+            address, config.server.tls, [*MESSAGE_LIMITS, *CHANNEL_KEEPALIVE], expect="decode"))
         self._segments = SegmentMaps()
         self.metrics = Metrics(
             gauges={"pdserve_live_prefills": ("prompts queued or running", lambda: self.engine.live_jobs),
@@ -238,7 +303,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             sender = KVSender(request.request_id, request.reservation_token, spec.fingerprint, layout,
                               self.config.chunk_bytes, trace_context=tracing.carrier(), segment=segment)
         abandon = threading.Event()
-        push = _KVPush(self._channel(request.decode_address), sender, abandon)
+        push = _KVPush(self._channels.acquire(request.decode_address), sender, abandon)  # released in finally
 
         def deliver(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:  # engine thread
             loop.call_soon_threadsafe(push.deliver, (layer, keys, values))
@@ -248,8 +313,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         def finish(outcome: Prefilled | BaseException) -> None:  # engine thread
             loop.call_soon_threadsafe(_settle, result, outcome)
 
-        job = PromptJob(token_ids, sampling, deliver, finish, abandon, kv_home=home, decoded=request.decoded_tokens)
+        job = PromptJob(token_ids, sampling, deliver, finish, abandon, kv_home=home, decoded=request.decoded_tokens,
+                        cache_salt=request.cache_salt)
         arrived = time.perf_counter()
+        renewing: asyncio.Future | None = None
         try:
             try:
                 self.engine.submit(job)
@@ -258,6 +325,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             except Abandoned as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            if request.lease_ms:
+                renewing = asyncio.ensure_future(self._renew_lease(request, push, result))
             try:
                 prefilled = await result
             except Abandoned:
@@ -285,9 +354,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self.metrics.count("pdserve_cancellations")
             raise
         finally:  # finished, refused, cancelled or failed: stop computing, stop sending, end the span
+            if renewing is not None:
+                renewing.cancel()
             abandon.set()
             self.engine.wake()
             push.cancel()
+            self._channels.release(request.decode_address)
             self._segments.prune()  # a segment decode retired (a cancel, a retry) is let go now, not at eviction
             send_span.set_attributes({"pdserve.kv_bytes": sender.bytes_sent, "pdserve.chunks": sender.chunks_sent,
                                       "pdserve.transport": sender.transport, "pdserve.state": sender.state.name})
@@ -310,6 +382,30 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if self.prefix_cache is not None:
             self.metrics.count("pdserve_prefix_cache_queries", prompt_tokens)
             self.metrics.count("pdserve_prefix_cache_hits", cached)
+
+    async def _renew_lease(self, request: prefill_pb2.PrefillRequest, push: _KVPush, result: asyncio.Future) -> None:
+        """Step 2's wait may outlast decode's lease: renew it every third of a lease until the KV stream opens (its
+        messages renew it then), while the engine moves. A frozen or stuck worker (past the watchdog's --stall-s)
+        stops renewing, so the lease still ends when no KV can come."""
+        period = request.lease_ms / 3e3
+        renewal = decode_pb2.LeaseRenewal(request_id=request.request_id, reservation_token=request.reservation_token)
+        stub = decode_pb2_grpc.DecodeStub(self._channels.acquire(request.decode_address))
+        try:
+            while True:
+                await asyncio.sleep(period)
+                if result.done() or push.call is not None:
+                    return
+                if self.engine.stalled() > self.config.server.stall_s:
+                    continue
+                try:
+                    await stub.RenewLease(renewal, timeout=period)
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION):
+                        return  # released or expired: decode fails the request, and the gateway cancels this call
+                    log.warning("renewing the lease at decode worker %s failed, %s: %s", request.decode_address,
+                                exc.code().name, exc.details())
+        finally:
+            self._channels.release(request.decode_address)
 
     async def _transfer_result(self, push: _KVPush, address: str, context: grpc.aio.ServicerContext) -> None:
         """Wait for decode's acknowledgement; a refused or broken transfer ends this call with its status."""
@@ -335,6 +431,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         try:
             check_prompt(self.spec, len(token_ids), 1, token_ids)  # the one token prefill generates: the first
             check_decoded(len(token_ids), request.decoded_tokens)
+            check_cache_salt(request.cache_salt)
             if not request.decode_address or not request.reservation_token:
                 raise ValueError("decode_address and reservation_token are required")
             sampling = sampling_from_pb(request.sampling)
@@ -343,10 +440,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         return token_ids, sampling
 
     def _channel(self, address: str) -> grpc.aio.Channel:
-        if address not in self._channels:
-            options = [*MESSAGE_LIMITS, *CHANNEL_KEEPALIVE]
-            self._channels[address] = aio_channel(address, self.config.server.tls, options, expect="decode")
-        return self._channels[address]
+        """The channel to the decode worker a request in _prefill acquired, for its other calls to it."""
+        return self._channels.held(address)
 
     async def GetInfo(
         self, request: worker_pb2.WorkerInfoRequest, context: grpc.aio.ServicerContext
@@ -356,8 +451,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                      prefix_block_tokens=self.config.prefix_block_tokens)
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
+        await self._channels.close()
         self._segments.close()
         await asyncio.to_thread(self.engine.close)
 

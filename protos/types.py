@@ -18,6 +18,17 @@ import xxhash
 # uniform over whatever top_k/top_p keep, which no client means to ask for.
 MAX_TEMPERATURE = 2.0
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # the compute and KV dtypes a worker serves, by name
+# A cache_salt names a prefix-cache namespace (block_names); the cap bounds what one request adds to each hash.
+MAX_CACHE_SALT_CHARS = 256
+
+
+def check_cache_salt(salt: str) -> None:
+    """The one cache_salt rule, for the gateway and the workers alike: at most MAX_CACHE_SALT_CHARS printable
+    characters ("" is no salt)."""
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise ValueError(f"cache_salt is {len(salt)} characters; at most {MAX_CACHE_SALT_CHARS} are accepted")
+    if not salt.isprintable():  # it may reach a log line: no newline to forge one
+        raise ValueError("cache_salt may hold printable characters only")
 
 
 def check_temperature(temperature: float) -> None:
@@ -61,10 +72,14 @@ class ModelSpec:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
 
 
-def block_names(tokens: Sequence[int], block_tokens: int) -> list[bytes]:
+def block_names(tokens: Sequence[int], block_tokens: int, salt: bytes | str = b"") -> list[bytes]:
     """The chained name of each full block of `tokens`: block i's name hashes block i-1's name and block i's
-    tokens (as native int64), so a name stands for the whole prefix up to and including that block."""
-    names, previous = [], b""
+    tokens (as native int64), so a name stands for the whole prefix up to and including that block. A `salt` (the
+    request's cache_salt) seeds the chain, so no name under one salt equals a name under another: prefixes are
+    shared only within a salt. The empty salt seeds nothing."""
+    if isinstance(salt, str):
+        salt = salt.encode()
+    names, previous = [], xxhash.xxh3_128_digest(b"pdserve-cache-salt\0" + salt) if salt else b""
     ids = array("q", tokens)
     for start in range(0, len(ids) - block_tokens + 1, block_tokens):
         previous = xxhash.xxh3_128_digest(previous + ids[start : start + block_tokens].tobytes())

@@ -2,20 +2,31 @@
 
 A line logged while a request is handled carries its request id (set once per handler with `for_request`; asyncio
 tasks inherit it) and the current span's trace and span ids, so a log search and a trace join on the same ids.
+
+Logging never blocks the caller: a line is formatted where it is logged (so it carries that task's ids), put on a
+bounded queue, and written to stderr by a thread of its own. When stderr is not read (a full pipe, a stalled log
+driver), only that thread waits; once the queue is full, lines are dropped and counted (`dropped_records()`), and
+one line says how many when writing resumes.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextvars
 import json
 import logging
+import logging.handlers
 import os
+import queue
 import sys
 import time
 
 from opentelemetry import trace
 
 LOG_FORMAT_ENV = "PDSERVE_LOG_FORMAT"
+QUEUE_RECORDS = 10_000  # lines waiting for stderr; past this they are dropped and counted
+EXIT_FLUSH_SECONDS = 2.0  # at exit, how long the queued lines may take to be written
+_TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(request_tag)s%(message)s"
 _request_id: contextvars.ContextVar[str] = contextvars.ContextVar("pdserve_request_id", default="")
 
 
@@ -57,13 +68,125 @@ class _AbandonedGeneratorDetach(logging.Filter):
         return record.getMessage() != "Failed to detach context"
 
 
+class _DroppingQueueHandler(logging.handlers.QueueHandler):
+    """Formats a record in the thread that logs it (the filters ran there too) and queues the line; drops it if
+    the queue is full. The first line queued after drops is a notice of how many."""
+
+    def __init__(self, records: queue.Queue[logging.LogRecord | None]) -> None:
+        super().__init__(records)
+        self.records = records
+        self.unreported = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.records.full():  # not worth formatting
+            self._drop()
+            return
+        super().emit(record)
+
+    def enqueue(self, record: logging.LogRecord) -> None:
+        try:
+            if self.unreported:
+                self.records.put_nowait(self.prepare(self._notice()))
+                self.unreported = 0
+            self.records.put_nowait(record)
+        except queue.Full:
+            self._drop()
+
+    def _drop(self) -> None:
+        global _dropped
+        _dropped += 1
+        self.unreported += 1
+
+    def _notice(self) -> logging.LogRecord:
+        notice = logging.LogRecord(__name__, logging.WARNING, __file__, 0, "%d log lines dropped: stderr was not "
+                                   "read fast enough", (self.unreported,), None)
+        notice.request_id = notice.request_tag = notice.trace_id = notice.span_id = ""
+        return notice
+
+
+class _FdWriter(logging.Handler):
+    """Writes formatted lines straight to a file descriptor, on the listener's thread alone: no lock or buffer for
+    a write stuck on a full pipe to hold, that anything else (exit's flushes among them) would wait on."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self._fd = fd
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        self.emit(record)
+        return True
+
+    def emit(self, record: logging.LogRecord) -> None:
+        data = f"{record.msg}\n".encode("utf-8", "backslashreplace")
+        try:
+            while data:
+                data = data[os.write(self._fd, data) :]
+        except OSError:  # stderr closed: nowhere to say so
+            pass
+
+
+class _Listener(logging.handlers.QueueListener):
+    def __init__(self, records: queue.Queue[logging.LogRecord | None], writer: logging.Handler) -> None:
+        super().__init__(records, writer)
+        self.records = records
+
+    def stop_within(self, seconds: float) -> None:
+        """Writes what is queued, for `seconds` at most: a stuck stderr must not hold up the process's exit."""
+        thread, deadline = self._thread, time.monotonic() + seconds
+        if thread is None:
+            return
+        self._thread = None
+        try:
+            self.records.put(None, timeout=seconds)  # the listener's sentinel
+        except queue.Full:
+            return
+        thread.join(max(0.0, deadline - time.monotonic()))
+
+
+_dropped = 0
+_listener: _Listener | None = None
+
+
+def dropped_records() -> int:
+    """Log lines this process has dropped because stderr was not keeping up."""
+    return _dropped
+
+
+def _stop_listener() -> None:
+    global _listener
+    if _listener is not None:
+        _listener.stop_within(EXIT_FLUSH_SECONDS)
+        _listener = None
+
+
+def _stderr_writer() -> logging.Handler:
+    try:
+        return _FdWriter(sys.stderr.fileno())
+    except (AttributeError, OSError, ValueError):  # a stderr with no descriptor (replaced in-process): write to it
+        writer = logging.StreamHandler(sys.stderr)
+        writer.setFormatter(logging.Formatter("%(message)s"))
+        return writer
+
+
 def configure() -> None:
-    """Root logging for a service process, as PDSERVE_LOG_LEVEL and PDSERVE_LOG_FORMAT say."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.addFilter(_RequestContext())
+    """Root logging for a service process, as PDSERVE_LOG_LEVEL and PDSERVE_LOG_FORMAT say: lines queued, and
+    written to stderr by a thread of their own."""
+    global _listener
+    _stop_listener()
+    records: queue.Queue[logging.LogRecord | None] = queue.Queue(QUEUE_RECORDS)
+    handler = _DroppingQueueHandler(records)
+    handler.addFilter(_RequestContext())  # in the logging task: its request id and span
     if os.environ.get(LOG_FORMAT_ENV, "").lower() == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(request_tag)s%(message)s"))
+        handler.setFormatter(logging.Formatter(_TEXT_FORMAT))
+    _listener = _Listener(records, _stderr_writer())
+    _listener.start()
     logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"), handlers=[handler], force=True)
-    logging.getLogger("opentelemetry.context").addFilter(_AbandonedGeneratorDetach())
+    logging.captureWarnings(True)  # warnings.warn writes to stderr in the caller otherwise
+    otel = logging.getLogger("opentelemetry.context")
+    if not any(isinstance(f, _AbandonedGeneratorDetach) for f in otel.filters):
+        otel.addFilter(_AbandonedGeneratorDetach())
+
+
+atexit.register(_stop_listener)  # after logging's own exit hook is registered, so it runs before it

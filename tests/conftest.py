@@ -31,12 +31,18 @@ def deep_tiny_model_dir(default_model_dir: Path, tmp_path_factory: pytest.TempPa
     return _tiny_llama(default_model_dir, tmp_path_factory.mktemp("deep-tiny-llama"), layers=200)
 
 
-def _tiny_llama(tokenizer_dir: Path, path: Path, layers: int) -> Path:
+@pytest.fixture(scope="session")
+def long_tiny_model_dir(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a context of 8,192 tokens: streams long enough to fill a socket's buffers."""
+    return _tiny_llama(default_model_dir, tmp_path_factory.mktemp("long-tiny-llama"), layers=2, positions=8192)
+
+
+def _tiny_llama(tokenizer_dir: Path, path: Path, layers: int, positions: int = 512) -> Path:
     from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions,
                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)

@@ -37,11 +37,11 @@ def test_places_queue_and_refusal() -> None:
         two = asyncio.ensure_future(second())
         await asyncio.sleep(0.01)
         assert admission.queued == 1
-        started = time.perf_counter()
+        # Refused at once: entering raises at its first step, before it could wait in line for anything.
+        entering = admission.slot().__aenter__()
         with pytest.raises(Overloaded, match="1 requests running and 1 queued"):
-            async with admission.slot():
-                pass
-        assert time.perf_counter() - started < 0.05  # refused at once, not queued
+            entering.send(None)
+        assert admission.queued == 1
         first_done.set()
         await asyncio.gather(one, two)
         assert order == ["first in", "second in"]  # the place went straight to the one in line
@@ -65,7 +65,8 @@ def test_queue_timeout_and_cancelled_waiters_leave_no_place_behind() -> None:
         with pytest.raises(Overloaded, match="within 0.2 s"):
             async with admission.slot():
                 pass
-        assert 0.15 < time.perf_counter() - started < 1.0
+        # the queue timeout ended the wait: not before it, and long before the holder lets go (it never does here)
+        assert 0.15 < time.perf_counter() - started < 10
         waiter = asyncio.ensure_future(admission.slot().__aenter__())
         await asyncio.sleep(0.01)
         waiter.cancel()  # the client left while queued
@@ -85,14 +86,14 @@ def test_gateway_refuses_beyond_its_queue_with_a_retry_hint(tiny_model_dir: Path
         address = cluster.gateway.address
         responses = stream(address, 60, prompt="Tell me a long story", max_tokens=400, ignore_eos=True)
         next(responses)  # it holds the only place
-        started = time.monotonic()
         with grpc.insecure_channel(address) as channel:
             call = gateway_pb2_grpc.GatewayStub(channel).Generate(
                 gateway_pb2.GenerateRequest(prompt="Hi", max_tokens=2), timeout=30)
             with pytest.raises(grpc.RpcError) as refused:
                 list(call)
-        assert time.monotonic() - started < 0.5
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # refused at once for the full queue, not at the end of a wait in it ("no place ... within")
+        assert "the most it takes" in (refused.value.details() or "")
         hints = dict(refused.value.trailing_metadata() or ())
         assert int(hints["retry-after-ms"]) > 0
         responses.close()  # type: ignore[attr-defined]

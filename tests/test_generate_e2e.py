@@ -153,8 +153,11 @@ def test_deadline_passing_mid_stream_ends_deadline_exceeded_and_frees_every_work
     cluster = start_cluster(tiny_model_dir, gateway_args=("--poll-interval=60",))
     decode = cluster.decode[0].process
     try:
-        # 1. A long completion under a 2 s deadline; its first piece has come.
-        responses = stream(cluster.gateway.address, timeout=2, prompt="Count to one thousand:", max_tokens=450,
+        # 0. Warm up: a fresh worker's first request loads what it needs, which must not eat into the deadline.
+        assert generate(cluster.gateway.address, timeout=60, prompt="Hi", max_tokens=2).finish_reason
+        # 1. A long completion under a 3 s deadline (far over a warm first piece: milliseconds, tenths of a second
+        # on a busy machine); its first piece has come.
+        responses = stream(cluster.gateway.address, timeout=3, prompt="Count to one thousand:", max_tokens=450,
                            temperature=0.0, ignore_eos=True)
         next(responses)
         # 2. Decode freezes, so the rest cannot come before the deadline, however fast the machine: a timed race

@@ -1,11 +1,13 @@
 """Hostile input over both APIs (issue 21): each kind of bad request gets a precise 4xx or gRPC status, never 500,
-UNKNOWN or INTERNAL, within 100 ms; nothing is held afterwards; and a bystander's stream decodes alongside.
+UNKNOWN or INTERNAL; none that is refused is accepted; nothing is held afterwards; and a bystander's streams get
+every token alongside. How fast refusals come and how the bystander's pace holds are `pdserve bench hostile`'s
+figures (bench/hostile.py), not this file's.
 
 The corpus test runs as a lifecycle:
-1. A bystander streams alone: its gaps between responses are the baseline.
-2. The corpus runs entry by entry while the bystander streams again.
-3. Every entry got its expected status, in time, and the bystander kept its pace.
-4. Leak check: every live gauge is 0 within 1 s, and every worker holds nothing.
+1. The corpus runs entry by entry while a bystander streams.
+2. Every entry got its expected status, and the gateway accepted only the ones served.
+3. The bystander finished every stream it started, each with all its tokens.
+4. Leak check: every live gauge is 0, and every worker holds nothing.
 """
 
 from __future__ import annotations
@@ -13,10 +15,9 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import statistics
 import subprocess
 import sys
-import time
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from gateway.openai_api import MAX_BODY_BYTES
 from gateway.request import MAX_MESSAGES, InvalidRequest, max_prompt_chars, parse_request
 from pdserve.cluster import Cluster
 from protos import gateway_pb2, gateway_pb2_grpc
+from serving.metrics import scrape
 from serving.server import MAX_MESSAGE_BYTES
 from tests.helpers import assert_nothing_held, assert_nothing_live, start_cluster
 
@@ -53,43 +55,64 @@ def tokenizer(tiny_model_dir: Path) -> Any:
 
 # --- the event loop stays free -------------------------------------------------------------------------------------
 
-async def _loop_stall(work: Callable[[], Any]) -> tuple[float, BaseException | None]:
-    """The longest the event loop went without running a 1 ms ticker while `work()` was awaited, and what it
-    raised."""
-    loop = asyncio.get_running_loop()
-    gaps = [0.0]
+class WatchedTokenizer:
+    """The tokenizer, noting each encode or chat rendering and the thread it ran on. With `loop_ticked`, each one
+    first waits until the event loop has run a timer since it began: one holding the loop would wait in vain."""
 
+    def __init__(self, tokenizer: Any, loop_ticked: threading.Event | None = None) -> None:
+        self._tokenizer, self._loop_ticked = tokenizer, loop_ticked
+        self.calls: list[tuple[str, int]] = []  # (what, thread id)
+        self.loop_ran: list[bool] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+    def _watch(self, what: str) -> None:
+        self.calls.append((what, threading.get_ident()))
+        if self._loop_ticked is not None:
+            self._loop_ticked.clear()
+            self.loop_ran.append(self._loop_ticked.wait(10))
+
+    def encode(self, text: str, *args: Any, **kwargs: Any) -> Any:
+        self._watch(f"encode {len(text)} characters")
+        return self._tokenizer.encode(text, *args, **kwargs)
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        self._watch("apply_chat_template")
+        return self._tokenizer.apply_chat_template(*args, **kwargs)
+
+
+async def _beside_a_ticker(work: Callable[[], Any], ticked: threading.Event) -> tuple[int, BaseException | None]:
+    """Awaits `work()` while a 1 ms timer sets `ticked` on every run; the loop's thread, and what `work` raised."""
     async def tick() -> None:
-        last = loop.time()
         while True:
+            ticked.set()
             await asyncio.sleep(0.001)
-            gaps.append(loop.time() - last)
-            last = loop.time()
 
     ticker = asyncio.ensure_future(tick())
-    await asyncio.sleep(0.01)
     try:
         await work()
-        raised = None
+        return threading.get_ident(), None
     except Exception as exc:
-        raised = exc
-    await asyncio.sleep(0.005)  # the ticker records the gap that ends now, however the work held the loop
-    ticker.cancel()
-    return max(gaps), raised
+        return threading.get_ident(), exc
+    finally:
+        ticker.cancel()
 
 
 def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer: Any) -> None:
     """With the default model's 8192-token context a prompt may hold 663,552 characters: ~0.3 s of tokenizing,
-    which used to hold the gateway's event loop (8 MiB of prompt held it 6 s)."""
+    which used to hold the gateway's event loop (8 MiB of prompt held it 6 s). It runs on another thread, and the
+    loop runs its timers meanwhile."""
     bound = max_prompt_chars(tokenizer, 8192)  # its one vocabulary scan done, as the gateway does at start-up
     prompt = ("hello world, " * (bound // 13))[:bound]
     request = gateway_pb2.GenerateRequest(prompt=prompt)
-    started = time.perf_counter()
-    stall, raised = asyncio.run(_loop_stall(lambda: parse_request(request, tokenizer, VOCAB, 8192)))
-    took = time.perf_counter() - started
+    ticked = threading.Event()
+    watched = WatchedTokenizer(tokenizer, ticked)
+    loop_thread, raised = asyncio.run(_beside_a_ticker(lambda: parse_request(request, watched, VOCAB, 8192), ticked))
     assert isinstance(raised, InvalidRequest) and "tokens; the model's context is 8192" in str(raised)
-    assert took > 0.1, "the prompt was tokenized"
-    assert stall < 0.05, f"the loop stalled {stall * 1e3:.0f} ms while {took * 1e3:.0f} ms of tokenizing ran"
+    assert [what for what, _ in watched.calls] == [f"encode {len(prompt)} characters"]  # the prompt was tokenized
+    assert all(thread != loop_thread for _, thread in watched.calls), "tokenized on the event loop's thread"
+    assert watched.loop_ran == [True], "the event loop ran no timer while the prompt was being tokenized"
 
 
 def test_what_cannot_fit_is_refused_before_it_is_tokenized(tokenizer: Any) -> None:
@@ -105,13 +128,15 @@ def test_what_cannot_fit_is_refused_before_it_is_tokenized(tokenizer: Any) -> No
         "prompt is 1000000 tokens": gateway_pb2.GenerateRequest(token_ids=[1] * 1_000_000),
     }
     for says, request in cases.items():
-        started = time.perf_counter()
+        watched = WatchedTokenizer(tokenizer)
         with pytest.raises(InvalidRequest, match=says):
-            asyncio.run(parse_request(request, tokenizer, VOCAB, CONTEXT))
-        assert time.perf_counter() - started < 0.05, says
+            asyncio.run(parse_request(request, watched, VOCAB, CONTEXT))
+        assert watched.calls == [], says
     # at the bound, it is tokenized (and here refused for its tokens, not its characters)
+    watched = WatchedTokenizer(tokenizer)
     with pytest.raises(InvalidRequest, match="tokens; the model's context is 512"):
-        asyncio.run(parse_request(gateway_pb2.GenerateRequest(prompt="y" * bound), tokenizer, VOCAB, CONTEXT))
+        asyncio.run(parse_request(gateway_pb2.GenerateRequest(prompt="y" * bound), watched, VOCAB, CONTEXT))
+    assert [what for what, _ in watched.calls] == [f"encode {bound} characters"]
 
 
 # --- clients -------------------------------------------------------------------------------------------------------
@@ -120,7 +145,6 @@ def test_what_cannot_fit_is_refused_before_it_is_tokenized(tokenizer: Any) -> No
 class Reply:
     status: int | str  # an HTTP status, or a gRPC status code's name ("OK" when the stream finished)
     message: str  # the error's message, and its `param` when it names one
-    seconds: float
 
 
 def _host_port(address: str) -> tuple[str, int]:
@@ -128,7 +152,7 @@ def _host_port(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _read_reply(sock: socket.socket, started: float) -> Reply:
+def _read_reply(sock: socket.socket) -> Reply:
     """The status and error message of an HTTP response on `sock` (Connection: close)."""
     data = b""
     while b"\r\n\r\n" not in data:
@@ -136,7 +160,6 @@ def _read_reply(sock: socket.socket, started: float) -> Reply:
         if not chunk:
             break
         data += chunk
-    seconds = time.perf_counter() - started
     head, _, body = data.partition(b"\r\n\r\n")
     status = int(head.split(b" ", 2)[1])
     length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
@@ -151,7 +174,7 @@ def _read_reply(sock: socket.socket, started: float) -> Reply:
         message = f"{error['message']} (param {error['param']})"
     except (ValueError, KeyError, TypeError):
         message = body.decode(errors="replace")
-    return Reply(status, message, seconds)
+    return Reply(status, message)
 
 
 def post(cluster: Cluster, body: bytes | dict, path: str = "/v1/completions", headers: dict[str, str] | None = None,
@@ -163,9 +186,8 @@ def post(cluster: Cluster, body: bytes | dict, path: str = "/v1/completions", he
             f"Content-Length: {len(raw) if declared_length is None else declared_length}",
             *(f"{k}: {v}" for k, v in (headers or {}).items())]
     with socket.create_connection(_host_port(cluster.gateway.http), timeout=10) as sock:
-        started = time.perf_counter()
         sock.sendall("\r\n".join(head).encode("latin-1", "surrogateescape") + b"\r\n\r\n" + raw)
-        return _read_reply(sock, started)
+        return _read_reply(sock)
 
 
 def post_chunked(cluster: Cluster, size: int) -> Reply:
@@ -173,7 +195,6 @@ def post_chunked(cluster: Cluster, size: int) -> Reply:
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: pdserve\r\nContent-Type: application/json\r\n"
             b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
     with socket.create_connection(_host_port(cluster.gateway.http), timeout=10) as sock:
-        started = time.perf_counter()
         sock.sendall(head)
         chunk = b"%x\r\n%s\r\n" % (65536, b" " * 65536)
         try:
@@ -181,23 +202,21 @@ def post_chunked(cluster: Cluster, size: int) -> Reply:
                 sock.sendall(chunk)
         except (BrokenPipeError, ConnectionResetError):
             pass  # refused and closed before the whole body was sent
-        return _read_reply(sock, started)
+        return _read_reply(sock)
 
 
 def slowloris(cluster: Cluster) -> Reply:
     """Headers, then a tenth of the body it announces, then nothing."""
     with socket.create_connection(_host_port(cluster.gateway.http), timeout=10) as sock:
-        started = time.perf_counter()
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: pdserve\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 1000\r\nConnection: close\r\n\r\n" + b'{"prompt": "' + b"a" * 88)
-        return _read_reply(sock, started)
+        return _read_reply(sock)
 
 
 def abandoned_sse(cluster: Cluster) -> Reply:
     """A streaming completion left after its first event: the connection is closed, unread."""
     body = json.dumps({"prompt": "Tell me a story", "max_tokens": 400, "ignore_eos": True, "stream": True}).encode()
     with socket.create_connection(_host_port(cluster.gateway.http), timeout=10) as sock:
-        started = time.perf_counter()
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: pdserve\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         data = b""
@@ -205,8 +224,7 @@ def abandoned_sse(cluster: Cluster) -> Reply:
             chunk = sock.recv(65536)
             assert chunk, f"the stream ended before its first event: {data!r}"
             data += chunk
-        seconds = time.perf_counter() - started
-    return Reply(int(data.split(b" ", 2)[1]), "", seconds)
+    return Reply(int(data.split(b" ", 2)[1]), "")
 
 
 def grpc_call(cluster: Cluster, request: gateway_pb2.GenerateRequest | bytes, cancel_after: int = 0) -> Reply:
@@ -219,15 +237,14 @@ def grpc_call(cluster: Cluster, request: gateway_pb2.GenerateRequest | bytes, ca
                                                                                                        timeout=10)
         else:
             call = gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=10)
-        started = time.perf_counter()
         try:
             for n, _ in enumerate(call, start=1):
                 if n == cancel_after:
                     call.cancel()
-                    return Reply("CANCELLED", "", time.perf_counter() - started)
+                    return Reply("CANCELLED", "")
         except grpc.RpcError as exc:
-            return Reply(exc.code().name, exc.details() or "", time.perf_counter() - started)  # type: ignore[attr-defined]
-        return Reply("OK", "", time.perf_counter() - started)
+            return Reply(exc.code().name, exc.details() or "")  # type: ignore[attr-defined]
+        return Reply("OK", "")
 
 
 def grpc_cancel(cluster: Cluster, request: gateway_pb2.CancelRequest | bytes) -> Reply:
@@ -236,12 +253,11 @@ def grpc_cancel(cluster: Cluster, request: gateway_pb2.CancelRequest | bytes) ->
                                    request_serializer=None if isinstance(request, bytes) else
                                    gateway_pb2.CancelRequest.SerializeToString,
                                    response_deserializer=gateway_pb2.CancelResponse.FromString)
-        started = time.perf_counter()
         try:
             call(request, timeout=10)
         except grpc.RpcError as exc:
-            return Reply(exc.code().name, exc.details() or "", time.perf_counter() - started)  # type: ignore[attr-defined]
-        return Reply("OK", "", time.perf_counter() - started)
+            return Reply(exc.code().name, exc.details() or "")  # type: ignore[attr-defined]
+        return Reply("OK", "")
 
 
 def _wire(**fields: bytes | int) -> bytes:
@@ -274,12 +290,11 @@ class Entry:
     send: Callable[[Cluster], Reply]
     expect: int | str  # HTTP status or gRPC status name
     says: str = ""  # in the error message: the field or the limit named
-    within_s: float = 0.1
 
-
-# Refused only once tokenized (the prompt or conversation could have fit): real work, 20-50 ms on an idle machine;
-# other engineers' tests share this one's two cores, so these get more room than 100 ms.
-TOKENIZED_S = 0.25
+    @property
+    def served(self) -> bool:
+        """A request the gateway accepts (and serves, or has served until its client left)."""
+        return self.expect in (200, "OK", "CANCELLED")
 
 
 def _chat(messages: Any, **extra: Any) -> Callable[[Cluster], Reply]:
@@ -302,17 +317,15 @@ CORPUS = [
     Entry("body over the cap, by Content-Length", lambda c: post(c, b"{", declared_length=8 << 20), 413, "bytes"),
     Entry("chunked body over the cap", lambda c: post_chunked(c, MAX_BODY_BYTES + (256 << 10)), 413, "bytes"),
     Entry("prompt of 900,000 characters", _completion(prompt="x" * 900_000), 400, "characters"),
-    Entry("prompt within the characters, past the context", _completion(prompt="ab " * 13_000), 400, "tokens",
-          TOKENIZED_S),
+    Entry("prompt within the characters, past the context", _completion(prompt="ab " * 13_000), 400, "tokens"),
     Entry("2,049 messages", _chat([USER] * (MAX_MESSAGES + 1)), 400, "2048"),
-    Entry("2,048 messages, past the context", _chat([USER] * MAX_MESSAGES), 400, "tokens", TOKENIZED_S),
+    Entry("2,048 messages, past the context", _chat([USER] * MAX_MESSAGES), 400, "tokens"),
     Entry("messages' content past any context", _chat([{"role": "user", "content": "x" * 30_000}] * 2), 400,
           "characters of content"),
     Entry("600 token ids for a 512-token context", _completion(prompt=list(range(600))), 400, "600 tokens"),
     Entry("gRPC prompt of 3.9 MB", _generate(prompt="x" * 3_900_000), "INVALID_ARGUMENT", "characters"),
-    # grpc refuses it, not pdserve, and the time is mostly the client's: building and sending 8 MiB (~0.1-0.6 s)
-    Entry("gRPC message over 8 MiB", _generate(prompt="x" * (MAX_MESSAGE_BYTES + 1)), "RESOURCE_EXHAUSTED",
-          within_s=1.0),
+    # grpc refuses it, not pdserve
+    Entry("gRPC message over 8 MiB", _generate(prompt="x" * (MAX_MESSAGE_BYTES + 1)), "RESOURCE_EXHAUSTED"),
     Entry("gRPC 2,049 messages", _generate(messages=[gateway_pb2.ChatMessage(role="user", content="x")] * 2049),
           "INVALID_ARGUMENT", "2048"),
     Entry("gRPC 800,000 token ids", _generate(token_ids=[7] * 800_000), "INVALID_ARGUMENT", "800000 tokens"),
@@ -383,7 +396,7 @@ CORPUS = [
           "request_id"),
     Entry("gRPC Cancel with invalid UTF-8", lambda c: grpc_cancel(c, b"\x0a\x01\xff"), "INVALID_ARGUMENT"),
     # slow and abandoned clients: a status, and nothing held after
-    Entry("slowloris body", slowloris, 408, "did not arrive", within_s=BODY_TIMEOUT_S + 0.1),
+    Entry("slowloris body", slowloris, 408, "did not arrive"),
     Entry("abandoned SSE stream", abandoned_sse, 200),
     Entry("abandoned gRPC stream", lambda c: grpc_call(c, gateway_pb2.GenerateRequest(
         prompt="Tell me a story", max_tokens=400, ignore_eos=True), cancel_after=2), "CANCELLED"),
@@ -392,19 +405,19 @@ CORPUS = [
 
 def _get(cluster: Cluster, path: str) -> Reply:
     with socket.create_connection(_host_port(cluster.gateway.http), timeout=10) as sock:
-        started = time.perf_counter()
         sock.sendall(f"GET {path} HTTP/1.1\r\nHost: pdserve\r\nConnection: close\r\n\r\n".encode())
-        return _read_reply(sock, started)
+        return _read_reply(sock)
 
 
 class Bystander:
-    """Greedy streams back to back in a process of its own (the senders' work must not delay its reads), from its
-    first response until stopped, at most `streams`: the gaps between its responses."""
+    """Greedy streams of 200 tokens back to back in a process of its own (the senders' work does not delay its
+    reads), from its first response until stopped, at most `streams`: the tokens each stream got."""
+
+    TOKENS = 200
 
     def __init__(self, cluster: Cluster, streams: int = 30) -> None:
-        self.gaps: list[float] = []
-        self.finished = 0
-        self._args = [sys.executable, "-c", _BYSTANDER, cluster.gateway.address, str(streams)]
+        self.tokens: list[int] = []  # per finished stream
+        self._args = [sys.executable, "-c", _BYSTANDER, cluster.gateway.address, str(streams), str(self.TOKENS)]
 
     def __enter__(self) -> Bystander:
         self._process = subprocess.Popen(self._args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -413,36 +426,38 @@ class Bystander:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        out, _ = self._process.communicate("stop\n", timeout=60)
-        assert self._process.returncode == 0
-        self.finished, self.gaps = json.loads(out)
+        out, _ = self._process.communicate("stop\n", timeout=120)
+        assert self._process.returncode == 0  # a stream that failed raised there
+        self.tokens = json.loads(out)
 
     @property
-    def p99(self) -> float:
-        return statistics.quantiles(self.gaps, n=100)[98]
+    def finished(self) -> int:
+        return len(self.tokens)
 
 
 # The bystander process (no torch: it starts fast): says "streaming" at its first response, streams until a line
-# arrives on stdin (looked for between streams), then prints [streams finished, gaps].
+# arrives on stdin (looked for between streams), then prints the tokens each stream got.
 _BYSTANDER = """
-import json, select, sys, time
+import json, select, sys
 from pdserve.client import stream
-gaps, finished = [], 0
+tokens = []
 for n in range(int(sys.argv[2])):
-    last = None
-    for response in stream(sys.argv[1], 60, prompt="Tell me a story", max_tokens=200, ignore_eos=True,
+    got = []
+    for response in stream(sys.argv[1], 120, prompt="Tell me a story", max_tokens=int(sys.argv[3]), ignore_eos=True,
                            temperature=0, request_id=f"bystander-{n}"):
-        now = time.perf_counter()
-        if last is None and n == 0:
+        if not got and n == 0:
             print("streaming", flush=True)
-        elif last is not None:
-            gaps.append(now - last)
-        last = now
-    finished += 1
+        got += response.token_ids
+    tokens.append(len(got))
     if select.select([sys.stdin], [], [], 0)[0]:
         break
-print(json.dumps([finished, gaps]))
+print(json.dumps(tokens))
 """
+
+
+def _accepted(cluster: Cluster) -> float:
+    """Requests the gateway accepted (valid, not a duplicate id), all time."""
+    return scrape(cluster.gateway.metrics)["pdserve_requests_total"]
 
 
 BIG = [  # what used to run on the gateway's event loop before any size check (issue 21 item 5)
@@ -450,52 +465,41 @@ BIG = [  # what used to run on the gateway's event loop before any size check (i
     Entry("a 3.9 MB gRPC prompt", _generate(prompt="x" * 3_900_000), "INVALID_ARGUMENT", "characters"),
     Entry("an 8 MiB body", lambda c: post(c, b"{", declared_length=8 << 20), 413, "bytes"),
     Entry("2,049 messages", _chat([USER] * (MAX_MESSAGES + 1)), 400, "2048"),
-    Entry("2,048 messages, rendered and tokenized", _chat([USER] * MAX_MESSAGES), 400, "tokens", TOKENIZED_S),
-    Entry("a prompt at the character bound, tokenized", _completion(prompt="ab " * 13_800), 400, "tokens",
-          TOKENIZED_S),
+    Entry("2,048 messages, rendered and tokenized", _chat([USER] * MAX_MESSAGES), 400, "tokens"),
+    Entry("a prompt at the character bound, tokenized", _completion(prompt="ab " * 13_800), 400, "tokens"),
 ]
 
 
 @pytest.mark.timeout(300)
-def test_big_requests_are_refused_at_once_while_a_bystander_keeps_its_pace(hostile: Cluster) -> None:
-    with Bystander(hostile, streams=2) as alone:
-        pass
-    with Bystander(hostile) as beside:
+def test_big_requests_are_refused_unaccepted_while_a_bystander_gets_every_token(hostile: Cluster) -> None:
+    accepted = _accepted(hostile)
+    with Bystander(hostile) as bystander:
         replies = [(entry, entry.send(hostile)) for _ in range(3) for entry in BIG]
     wrong = [(entry.name, reply) for entry, reply in replies
-             if reply.status != entry.expect or entry.says not in reply.message or reply.seconds > entry.within_s]
+             if reply.status != entry.expect or entry.says not in reply.message]
     assert not wrong, wrong
-    print(f"bystander p99 gap alone {alone.p99 * 1e3:.1f} ms, beside big requests {beside.p99 * 1e3:.1f} ms "
-          f"({beside.p99 / alone.p99:.2f}x); slowest refusal {max(r.seconds for _, r in replies) * 1e3:.0f} ms")
-    assert beside.p99 < 3 * alone.p99 + 0.02
-    assert_nothing_live(hostile, within_s=1.0)
+    assert _accepted(hostile) - accepted == bystander.finished  # the bystander's streams, and no big request
+    assert bystander.tokens and bystander.tokens == [Bystander.TOKENS] * bystander.finished
+    assert_nothing_live(hostile, within_s=10)
 
 
 @pytest.mark.timeout(300)
-def test_the_hostile_corpus_gets_precise_statuses_fast_and_leaves_nothing_held(hostile: Cluster) -> None:
+def test_the_hostile_corpus_gets_precise_statuses_and_leaves_nothing_held(hostile: Cluster) -> None:
     assert len({entry.name for entry in CORPUS}) == len(CORPUS) >= 30
-    # 1. the bystander alone
-    with Bystander(hostile, streams=2) as alone:
-        pass
-    # 2. the corpus, with the bystander streaming beside it
+    # 1. the corpus, with the bystander streaming beside it
+    accepted = _accepted(hostile)
     replies: dict[str, Reply] = {}
-    with Bystander(hostile) as beside:
+    with Bystander(hostile) as bystander:
         for entry in CORPUS:
             replies[entry.name] = entry.send(hostile)
-    # 3. every status as expected, in time; the bystander kept its pace
+    # 2. every status as expected; only the requests served were accepted (with the bystander's)
     wrong = {entry.name: replies[entry.name] for entry in CORPUS
              if replies[entry.name].status != entry.expect or entry.says not in replies[entry.name].message}
     assert not wrong, wrong
-    slow = {entry.name: f"{replies[entry.name].seconds * 1e3:.0f} ms" for entry in CORPUS
-            if replies[entry.name].seconds > entry.within_s}
-    assert not slow, slow
-    fast = [replies[entry.name].seconds for entry in CORPUS if entry.within_s == 0.1]
-    print(f"{len(fast)} refusals due within 100 ms: slowest {max(fast) * 1e3:.0f} ms, median "
-          f"{statistics.median(fast) * 1e3:.1f} ms; tokenized ones: slowest "
-          f"{max(replies[e.name].seconds for e in CORPUS if e.within_s == TOKENIZED_S) * 1e3:.0f} ms")
-    print(f"bystander p99 gap alone {alone.p99 * 1e3:.1f} ms, beside the corpus {beside.p99 * 1e3:.1f} ms "
-          f"({beside.p99 / alone.p99:.2f}x) over {beside.finished} streams")
-    assert beside.p99 < 3 * alone.p99 + 0.02
+    served = sum(entry.served for entry in CORPUS)
+    assert _accepted(hostile) - accepted == served + bystander.finished
+    # 3. the bystander finished every stream it started, each with all its tokens
+    assert bystander.tokens and bystander.tokens == [Bystander.TOKENS] * bystander.finished
     # 4. leak check
-    assert_nothing_live(hostile, within_s=1.0)
+    assert_nothing_live(hostile, within_s=10)
     assert_nothing_held(hostile)

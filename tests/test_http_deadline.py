@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from pdserve.client import generate
 from pdserve.cluster import Cluster
 from tests.helpers import assert_nothing_held, start_cluster
 
@@ -34,9 +35,12 @@ def _frozen(cluster: Cluster) -> Iterator[None]:
 
 def test_an_http_request_past_its_deadline_ends_504_and_frees_every_worker(tiny_model_dir: Path) -> None:
     # Polls are rare, so the gateway takes the frozen decode worker for slow, not gone; a timed race (0.1 s for
-    # 500 tokens) would fail on a machine that decodes them faster.
-    cluster = start_cluster(tiny_model_dir, gateway_args=("--http-deadline=2", "--poll-interval=60"))
+    # 500 tokens) would fail on a machine that decodes them faster. The deadline, 3 s, is under the stream's idle
+    # timeout (5 s), and far over a warm first token (milliseconds; a busy machine's tenths of a second).
+    cluster = start_cluster(tiny_model_dir, gateway_args=("--http-deadline=3", "--poll-interval=60"))
     try:
+        # 0. Warm up over gRPC (no HTTP deadline): a fresh worker's first request loads what it needs.
+        assert generate(cluster.gateway.address, timeout=60, prompt="Hello", max_tokens=2).finish_reason
         # 1. A generation that cannot end before the deadline is cut at it.
         with _frozen(cluster):
             started = time.monotonic()
@@ -44,7 +48,7 @@ def test_an_http_request_past_its_deadline_ends_504_and_frees_every_worker(tiny_
             status, payload, took = response.status, response.read(), time.monotonic() - started
             connection.close()
         assert status == 504 and json.loads(payload)["error"]["code"] == "deadline_exceeded", payload
-        assert took < 10
+        assert took < 30  # cut at the deadline, not left to the client's 60 s timeout
         # 2. Streaming: the stream is already 200 with a first event, so the deadline ends it with an error event.
         connection, response = _connect(cluster, {"prompt": "Hello", "max_tokens": 500, "ignore_eos": True,
                                                   "stream": True})

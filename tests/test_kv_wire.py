@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import os
 import pwd
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -601,3 +604,36 @@ def test_a_stream_must_open_with_its_header_and_carry_no_other() -> None:
     with pytest.raises(KVTransferError) as refused:
         _receive(second_header, [messages[0], messages[1], messages[0], *messages[2:]], TOKENS, None)
     assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and second_header.state is TransferState.FAILED
+
+
+_OWNER_THAT_EXITS = """
+import os, sys
+from kv_wire import segments
+unlinked, real_unlink = open(sys.argv[1], "a"), os.unlink
+def unlink(path, *args, **kwargs):  # records the order names leave /dev/shm
+    real_unlink(path, *args, **kwargs)
+    unlinked.write(os.path.basename(path) + "\\n")
+    unlinked.flush()
+os.unlink = unlink
+pool = segments.SegmentPool(keep_bytes=8 << 20)
+held, idle = pool.acquire(1), pool.acquire(1)
+pool.release(idle)
+print(held.name, idle.name, flush=True)
+"""
+
+
+def test_an_owner_that_exits_removes_its_segments_then_its_lock(tmp_path: Path) -> None:
+    """The lock used to go first (its exit hook ran before the pool's), and a held segment stayed with no lock:
+    a sweep then judged it by its pid, which in another pid namespace (compose: every worker is pid 1 or so) is
+    alive, so it stayed for good."""
+    # 1. A decode-like process makes two segments, keeps one held and one idle in its pool, and exits normally.
+    log = tmp_path / "unlinked"
+    child = subprocess.run([sys.executable, "-c", _OWNER_THAT_EXITS, str(log)], capture_output=True, text=True,
+                           timeout=120, cwd=Path(__file__).parent.parent)
+    assert child.returncode == 0, child.stderr
+    held, idle = child.stdout.split()
+    lock = f"{held[:-8]}.lock"
+    # 2. Everything it owned is gone, the lock the last.
+    assert not any((segments.SHM_DIR / name).exists() for name in (held, idle, lock))
+    order = log.read_text().split()
+    assert sorted(order) == sorted([held, idle, lock]) and order[-1] == lock, order

@@ -27,7 +27,7 @@ def test_live_gauges_follow_a_stream_and_return_to_zero_when_it_is_cancelled(tin
     assert live["pdserve_live_kv_bytes"] > 0
     # 3. Cancel it: the counters count it once, at the gateway and on decode.
     responses.close()  # type: ignore[attr-defined]
-    assert_nothing_live(tiny_cluster, within_s=1.0)
+    assert_nothing_live(tiny_cluster, within_s=10)
     after = scrape(tiny_cluster.gateway.metrics)
     assert after["pdserve_requests_total"] == before["pdserve_requests_total"] + 1
     assert after["pdserve_cancellations_total"] == before["pdserve_cancellations_total"] + 1
@@ -82,7 +82,7 @@ def test_worker_histograms_and_kv_transfer_counters_move_by_path(tiny_cluster: C
     shm = '{path="shm"}'  # prefill and decode share this host: the KV moved through shared memory
     decoded = "decode pdserve_request_decode_time_seconds_count"  # observed as the worker lets the request go
     after = wait_until(lambda: (found := totals())[decoded] > before.get(decoded, 0) and found,
-                       "decode to observe the request's decode time", timeout_s=2.0)
+                       "decode to observe the request's decode time")
 
     def moved(name: str) -> float:
         return after.get(name, 0) - before.get(name, 0)
@@ -121,7 +121,7 @@ def test_a_refused_kv_transfer_counts_as_a_failure(tiny_cluster: Cluster) -> Non
         decode_pb2_grpc.DecodeStub(channel).TransferKV(iter([forged]), timeout=10)
     assert refused.value.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
     # Counted as the handler unwinds, which may be just after the status reached this client.
-    wait_until(lambda: scrape(worker.metrics).get(name, 0) > before, "the failure to be counted", timeout_s=2.0)
+    wait_until(lambda: scrape(worker.metrics).get(name, 0) > before, "the failure to be counted")
     assert scrape(worker.metrics)[name] == before + 1
     assert_nothing_held(tiny_cluster)
 

@@ -4,9 +4,11 @@ API keys on both transports."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -22,7 +24,7 @@ from gateway.auth import API_KEYS_ENV, ApiKeys
 from gateway.openai_api import OpenAIServer
 from gateway.request import MAX_STOP_CHARS
 from pdserve.client import generate, stream
-from pdserve.cluster import Cluster
+from pdserve.cluster import Cluster, Service, stop_all, wait_ready
 from protos import gateway_pb2, gateway_pb2_grpc
 from tests.helpers import assert_nothing_held, assert_nothing_live, live_gauges, start_cluster
 
@@ -291,7 +293,7 @@ def test_a_token_without_text_streams_as_a_chunk_with_empty_content() -> None:
     class Streams:
         keys = ApiKeys([])
 
-        async def stream(self, request, deadline, metadata):  # type: ignore[no-untyped-def]
+        async def stream(self, request, deadline, metadata, peer=""):  # type: ignore[no-untyped-def]
             yield gateway_pb2.GenerateResponse(request_id="r1", token_ids=[42], text="Hi")
             yield gateway_pb2.GenerateResponse(request_id="r1", token_ids=[2])  # <|im_end|>: skipped text
             yield gateway_pb2.GenerateResponse(request_id="r1", token_ids=[43], text="!", finish_reason="length")
@@ -311,3 +313,67 @@ def test_a_token_without_text_streams_as_a_chunk_with_empty_content() -> None:
     deltas = [(c["choices"][0]["delta"], c["choices"][0]["finish_reason"]) for c in asyncio.run(chunks())]
     assert deltas == [({"role": "assistant", "content": ""}, None), ({"content": "Hi"}, None),
                       ({"content": ""}, None), ({"content": "!"}, "length")]
+
+
+@contextlib.contextmanager
+def _gateway_before(cluster: Cluster, model_dir: Path, log: Path, keys: str) -> Iterator[Service]:
+    """A second gateway in front of `cluster`'s workers, with PDSERVE_API_KEYS=`keys` and its log in `log`."""
+    env = {**os.environ, API_KEYS_ENV: keys}
+    with log.open("w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.launch", str(os.getpid()), "", "gateway", "--host", "127.0.0.1",
+             "--port", "0", "--http-port", "0", "--model", str(model_dir),
+             *[f"--prefill={w.address}" for w in cluster.prefill], *[f"--decode={w.address}" for w in cluster.decode]],
+            stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+    gateway = Service("gateway", process)
+    try:
+        wait_ready([gateway], 120)
+        yield gateway
+    finally:
+        stop_all([gateway], grace_s=10)
+
+
+def _raw_get(address: str, authorization: bytes) -> tuple[int, bytes]:
+    """GET /v1/models with an Authorization header of raw bytes, which no HTTP client library sends."""
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: gateway\r\nAuthorization: " + authorization +
+                     b"\r\nConnection: close\r\n\r\n")
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+NOT_UTF8 = [b"Bearer \xff\xfe", b"\xff\xfe", b"Bearer sk-\xc3", b"bearer \x80" + KEY.encode()]
+
+
+@pytest.mark.parametrize("keys", [KEY, ""], ids=["keys", "no keys"])
+def test_an_authorization_header_that_is_not_utf8_is_a_wrong_key(keyed: Cluster, tiny_model_dir: Path,
+                                                                   tmp_path: Path, keys: str) -> None:
+    """Bytes that are no UTF-8 in the header used to raise in the key check: HTTP 500 and a traceback in the log.
+    With keys they are a wrong key (401); without keys nobody is asked for one. Either way nothing is logged."""
+    log = tmp_path / "gateway.log"
+    with _gateway_before(keyed, tiny_model_dir, log, keys) as gateway:
+        for header in NOT_UTF8:
+            status, body = _raw_get(gateway.http, header)
+            assert status == (401 if keys else 200), (header, body)
+            if keys:
+                assert json.loads(body)["error"]["code"] == "invalid_api_key"
+        assert _raw_get(gateway.http, f"Bearer {KEY}".encode())[0] == 200  # still serving
+    logged = log.read_text()
+    assert "Traceback" not in logged and "Error handling request" not in logged, logged
+
+
+def test_grpc_metadata_that_is_not_utf8_is_a_wrong_key() -> None:
+    """What grpcio hands the servicer for such a header: latin-1 text (it decodes what is not UTF-8 so), or bytes.
+    (grpcio's own clients refuse to send it; other clients do.)"""
+    with_keys, without = ApiKeys([KEY, "sk-\xe9t\xe9"]), ApiKeys([])
+    for value in (b"Bearer \xff\xfe", b"Bearer \xff\xfe".decode("latin-1"), b"\xff", f"Bearer {KEY}\xe9".encode(),
+                  b"Bearer sk-\xe9t\xe9"):  # the last: the second key in latin-1, not UTF-8
+        metadata = [("user-agent", "x"), ("authorization", value)]
+        assert not with_keys.allows(metadata) and with_keys.tenant(metadata) == "", value
+        assert without.allows(metadata) and without.tenant(metadata) == "", value
+    for value in (f"Bearer {KEY}", f"Bearer {KEY}".encode(), "Bearer sk-\xe9t\xe9", "Bearer sk-\xe9t\xe9".encode()):
+        assert with_keys.allows([("authorization", value)]) and with_keys.tenant([("authorization", value)]), value

@@ -3,25 +3,29 @@ prefix-aware routing in a real cluster."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 import tracemalloc
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.core import EngineCore
 from engine.prompts import Abandoned, Prefilled
-from gateway.workers import PrefixIndex
+from gateway.workers import Pool, PrefixIndex
 from model_runner import forward
 from model_runner.loading import LoadedModel
 from model_runner.prefix_cache import PrefixCache
 from pdserve.client import generate
 from pdserve.cluster import Cluster
+from protos import worker_pb2
 from protos.types import block_names
 from serving.metrics import scrape
 from tests.helpers import Recorder, assert_nothing_held, hf_greedy, start_cluster, wait_until, worker_info
@@ -256,6 +260,68 @@ def test_block_names_chain_from_the_start() -> None:
     a, b = block_names([1, 2, 3, 4, 5, 6, 7, 8], 4), block_names([9, 9, 9, 9, 5, 6, 7, 8], 4)
     assert len(a) == 2 and a[1] != b[1]  # equal blocks after different prefixes have different names
     assert block_names([1, 2, 3], 4) == []
+
+
+def test_salts_name_every_block_apart_and_no_salt_names_blocks_as_before() -> None:
+    tokens = list(range(100, 112))
+    chain, unsalted = b"", []  # the names without salt: the chain from b"", as gateways and workers always made it
+    for start in range(0, 12, BLOCK):
+        chain = xxhash.xxh3_128_digest(chain + array("q", tokens[start : start + BLOCK]).tobytes())
+        unsalted.append(chain)
+    assert block_names(tokens, BLOCK) == block_names(tokens, BLOCK, "") == block_names(tokens, BLOCK, b"") == unsalted
+    a, b = block_names(tokens, BLOCK, "tenant-a"), block_names(tokens, BLOCK, "tenant-b")
+    assert len(a) == len(b) == 3 and a == block_names(tokens, BLOCK, b"tenant-a")
+    assert not set(a) & set(b) and not set(a) & set(unsalted)  # not one block name in common, the root's included
+
+
+def test_a_prefix_cached_under_one_salt_is_a_miss_under_any_other() -> None:
+    cache = PrefixCache(BLOCK, budget_bytes=100 * BLOCK_BYTES)
+    prompt = list(range(10, 22))  # 3 full blocks
+    assert cache.insert(prompt, _kv(prompt), salt="a") == 3
+    assert cache.match(prompt + [0], "b") == [] and cache.match(prompt + [0]) == []
+    assert len(cache.match(prompt + [0], "a")) == 3
+    assert cache.insert(prompt, _kv(prompt), salt="b") == 3  # b computes and keeps its own copy
+    assert len(cache.match(prompt + [0], "b")) == 3 and len(cache) == 6
+
+
+def test_the_engine_reuses_a_prefix_only_under_the_salt_that_cached_it(
+    runner: LoadedModel, cached_engine: tuple[EngineCore, PrefixCache]
+) -> None:
+    engine, _ = cached_engine
+    system = list(range(700, 740))  # 2 full blocks and 8 tokens
+
+    def cached(salt: str, question: int) -> int:
+        recorder = Recorder(system + [question] * 10)
+        recorder.job.cache_salt = salt
+        engine.submit(recorder.job)
+        outcome = recorder.wait()
+        assert isinstance(outcome, Prefilled), outcome
+        _assert_its_own(runner, recorder, outcome)
+        return outcome.cached_tokens
+
+    # a's prompt is cached; b, sending the same prefix, is told nothing of it; a still finds it
+    assert [cached("a", 1), cached("b", 2), cached("a", 3), cached("", 4), cached("b", 5)] == [0, 0, 32, 0, 32]
+    assert (engine.queued_tokens, engine.live_jobs) == (0, 0)
+
+
+def test_the_gateway_routes_a_prompt_by_its_own_salt_s_prefixes_only() -> None:
+    async def scenario() -> None:
+        pool = Pool("prefill", ["127.0.0.1:9000", "127.0.0.1:9001"], prefix_balance_tokens=1000)
+        for worker in pool.workers:
+            worker.info = worker_pb2.WorkerInfo(role="prefill", prefix_block_tokens=16)
+        prompt = list(range(5000, 5100))
+        home = pool.in_turn(prompt=prompt, cache_salt="a")[0]  # both idle: a's prefix goes to whichever is first
+        other = next(w for w in pool.workers if w is not home)
+        assert home.info is not None
+        home.info.queued_tokens = 100  # busier, within the balance: a's prefix still draws a's requests there
+        assert pool.in_turn(prompt=prompt, cache_salt="a")[0] is home
+        # b's same prompt goes by load alone: b's names match none of a's, so the index points nowhere
+        assert pool.prefixes.best([(home.address, block_names(prompt, 16, "b"))]) is None
+        assert pool.in_turn(prompt=prompt, cache_salt="b")[0] is other
+        assert pool.in_turn(prompt=prompt, cache_salt="")[0] is other  # nor does the unsalted namespace see a's
+        await pool.close()
+
+    asyncio.run(scenario())
 
 
 SYSTEM = list(range(2000, 2100))  # 100 tokens shared by every request below

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -243,3 +244,130 @@ def test_pieces_join_to_the_cut_text_and_carry_exactly_their_tokens(tokenizer, p
     assert text.startswith(tokenizer.decode(sent, skip_special_tokens=True))
     if not hits:
         assert sent == ids
+
+
+def _deltas(tokenizer, ids: list[int], prompt: list[int] | None = None) -> list[str]:
+    """One token at a time, then the flush: what a stream sends."""
+    detok = IncrementalDetokenizer(tokenizer, prompt or [])
+    return [detok.add([token]) for token in ids] + [detok.flush()]
+
+
+def _stream(tokenizer, ids: list[int]) -> tuple[str, list[int]]:
+    stream = TextStream(tokenizer, [], [])
+    pieces = [stream.add([token], last=i == len(ids) - 1) for i, token in enumerate(ids)]
+    return "".join(text for text, _, _ in pieces), [token for _, got, _ in pieces for token in got]
+
+
+LONE_BYTE = 187  # "ð": the byte 0xF0, which begins a 4-byte character, on its own
+
+
+@pytest.mark.parametrize("text", ["👨‍👩‍👧‍👦 family", "🏳️‍🌈 flag", "👩🏽‍💻 coder", "日本語のテキスト",
+                                  "中文测试：天气很好。", "한국어 텍스트", "𣯩𪈗 rare", "🚀🎉🔥💯🥳🤖👾"])
+def test_emoji_zwj_sequences_and_cjk_come_out_whole(tokenizer, text: str) -> None:
+    """Characters split across 2 to 4 byte-level tokens (a rare CJK character takes four one-byte tokens), in
+    emoji, ZWJ sequences and CJK: never cut, and the deltas join to the whole decode."""
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    deltas = _deltas(tokenizer, ids, tokenizer("Say:").input_ids)
+    assert all("\ufffd" not in delta for delta in deltas)
+    assert "".join(deltas) == tokenizer.decode(ids) == text
+    assert _stream(tokenizer, ids) == (text, ids)
+
+
+def test_a_four_byte_character_in_four_one_byte_tokens_is_held_until_whole(tokenizer) -> None:
+    ids = tokenizer("𣯩", add_special_tokens=False).input_ids
+    assert len(ids) == 4 and ids[0] == LONE_BYTE
+    assert _deltas(tokenizer, ids) == ["", "", "", "𣯩", ""]
+
+
+def _broken(tokenizer) -> dict[str, list[int]]:
+    rocket = tokenizer("🚀", add_special_tokens=False).input_ids  # ["\xf0\x9f", "\x9a", "\x80"]
+    rare = tokenizer("𣯩", add_special_tokens=False).input_ids  # four one-byte tokens
+    word = tokenizer(" ok", add_special_tokens=False).input_ids
+    return {
+        "lone bytes": [LONE_BYTE] * 40,
+        "lone bytes then text": [LONE_BYTE] * 9 + word,
+        "continuation bytes alone": rocket[1:] * 10 + word,
+        "a character cut short by text": rocket[:2] + word + rare[:3] + word,
+        "a start byte before a whole character": [LONE_BYTE] * 6 + rocket + word,
+        "lone bytes that end in a character": [LONE_BYTE] * 7 + rare[1:] + word,
+        "a character begun as lone bytes run long": [LONE_BYTE] * 3 + rare + word,  # no longer held at its 2nd byte
+        "ends in half a character": word + [LONE_BYTE] * 6 + rare[1:3],
+    }
+
+
+@pytest.mark.parametrize("case", ["lone bytes", "lone bytes then text", "continuation bytes alone",
+                                  "a character cut short by text", "a start byte before a whole character",
+                                  "lone bytes that end in a character", "a character begun as lone bytes run long",
+                                  "ends in half a character"])
+def test_lone_bytes_and_broken_utf8_come_out_as_the_whole_decode_shows_them(tokenizer, case: str) -> None:
+    """Broken UTF-8 is held for a few tokens at most, then goes out as U+FFFD, as a whole decode shows it; a
+    character that follows it still comes out whole, and every token goes out."""
+    ids = _broken(tokenizer)[case]
+    whole = tokenizer.decode(ids)
+    assert "\ufffd" in whole
+    deltas = _deltas(tokenizer, ids)
+    assert "".join(deltas) == whole
+    assert max(map(len, deltas)) <= 10, "the text went out as it came, not held to the end"
+    assert _stream(tokenizer, ids) == (whole, ids)
+
+
+# Byte-level tokens that make characters, or broken UTF-8, in any order: the one-byte tokens of a rare CJK character
+# (0xF0 0xA3 0xAF 0xA9 ...), the rocket's three (a two-byte head), a CJK character's, ASCII, and a special token.
+_BYTE_TOKENS = ["𣯩𪈗", "🚀", "日", "é", " a"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(picks=st.lists(st.tuples(st.integers(0, len(_BYTE_TOKENS)), st.integers(0, 7)), min_size=1, max_size=40))
+def test_any_byte_tokens_join_to_the_whole_decode(tokenizer, picks: list[tuple[int, int]]) -> None:
+    """Whatever the tokens, whole characters or stray bytes: the deltas join to what a whole decode gives, so a
+    character is never cut where the whole decode has none, and U+FFFD appears where it has one."""
+    ids = []
+    for pick, index in picks:
+        if pick == len(_BYTE_TOKENS):
+            ids.append(2)
+            continue
+        tokens = tokenizer(_BYTE_TOKENS[pick], add_special_tokens=False).input_ids
+        ids.append(tokens[index % len(tokens)])
+    whole = tokenizer.decode(ids, skip_special_tokens=True)
+    assert "".join(_deltas(tokenizer, ids)) == whole
+    assert _stream(tokenizer, ids) == (whole, ids)
+
+
+class _CountingTokenizer:
+    """The real tokenizer, counting the token ids it is asked to decode."""
+
+    def __init__(self, tokenizer) -> None:  # type: ignore[no-untyped-def]
+        self._tokenizer = tokenizer
+        self.added_tokens_decoder = tokenizer.added_tokens_decoder
+        self.decoded = 0
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        self.decoded += len(ids)
+        return str(self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+
+def test_hostile_tokens_cost_what_ascii_costs(tokenizer) -> None:
+    """A run of lone bytes (or of special tokens) used to be held whole and re-decoded on every token: 8,000 of them
+    took over 100 times as long as 8,000 ASCII tokens, on the gateway's event loop. Now the window stays a few tokens
+    long: the work per token is bounded, counted in token ids decoded, and timed side by side."""
+    count = 8000
+    ascii_ids = tokenizer("a", add_special_tokens=False).input_ids * count
+    runs = {"ascii": ascii_ids, "lone bytes": [LONE_BYTE] * count, "special": ascii_ids[:5] + [2] * count}
+
+    def cost(ids: list[int]) -> tuple[int, float]:
+        counting = _CountingTokenizer(tokenizer)
+        stream = TextStream(counting, [], [])
+        start = time.perf_counter()
+        text = "".join(stream.add([token], last=i == len(ids) - 1)[0] for i, token in enumerate(ids))
+        seconds = time.perf_counter() - start
+        assert text == tokenizer.decode(ids, skip_special_tokens=True)
+        return counting.decoded, seconds
+
+    decoded, seconds = {}, {}
+    for _ in range(3):  # side by side, the best of three: the other core may be busy
+        for name, ids in runs.items():
+            decoded[name], elapsed = cost(ids)
+            seconds[name] = min(seconds.get(name, elapsed), elapsed)
+    assert decoded["ascii"] <= 4 * count
+    assert decoded["lone bytes"] <= 5 * decoded["ascii"] and decoded["special"] <= 5 * decoded["ascii"]
+    assert seconds["lone bytes"] < 5 * seconds["ascii"] and seconds["special"] < 5 * seconds["ascii"], seconds

@@ -1,0 +1,228 @@
+"""Sharing the gateway: a client that stops reading is cut and frees what it held while its socket is still open;
+one client (an API key, or a peer address) holds at most its share of the places, and a freed place goes to the
+client running fewest. Real clusters on loopback, real sockets that never read."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from gateway.admission import Admission, AdmissionConfig, Overloaded
+from pdserve.client import generate
+from pdserve.cluster import Cluster
+from protos import gateway_pb2, gateway_pb2_grpc
+from serving.metrics import scrape
+from tests.helpers import assert_nothing_held, live_gauges, start_cluster, wait_until
+
+STALL_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def stall_cluster(long_tiny_model_dir: Path) -> Iterator[Cluster]:
+    cluster = start_cluster(long_tiny_model_dir, gateway_args=(f"--client-stall-timeout={STALL_S}",
+                                                          "--max-in-flight-per-client=3", "--max-queue-per-client=1"))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _metric(cluster: Cluster, name: str) -> float:
+    return scrape(cluster.gateway.metrics).get(name, 0.0)
+
+
+def _stuck_sse(http: str, max_tokens: int) -> socket.socket:
+    """A streaming completion whose client never reads a byte: a receive buffer of 1 KB, so the gateway's writes
+    wait after a few kB of the stream."""
+    host, port = http.rsplit(":", 1)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    sock.connect((host, int(port)))
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+                       "temperature": 0}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    return sock
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the other end closed the connection (reading drains what it had sent first)."""
+    sock.settimeout(0.5)
+    try:
+        while True:
+            data = sock.recv(1 << 16)
+            if not data:
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_sse_readers_that_never_read_are_cut_and_free_everything_while_their_sockets_stay_open(
+        stall_cluster: Cluster) -> None:
+    """1. Two streams whose clients never read, each asking for the whole context. 2. A bystander is served beside
+    them. 3. Both are cut (pdserve_client_stalls) while their sockets are open, and every gauge and worker returns
+    to zero. 4. The gateway closed their connections."""
+    stalls = _metric(stall_cluster, "pdserve_client_stalls_total")
+    stuck = [_stuck_sse(stall_cluster.gateway.http, 8000) for _ in range(2)]  # ~1.6 MB of events each
+    try:
+        beside = generate(stall_cluster.gateway.address, timeout=60, prompt="Hi", max_tokens=4, temperature=0)
+        assert beside.finish_reason == "length" and len(beside.token_ids) == 4
+        wait_until(lambda: _metric(stall_cluster, "pdserve_client_stalls_total") >= stalls + 2,
+                   "both stuck readers cut", timeout_s=120)
+        wait_until(lambda: not any(live_gauges(stall_cluster).values()), lambda: f"gauges {live_gauges(stall_cluster)}",
+                   timeout_s=30)
+        assert_nothing_held(stall_cluster, within_s=10)
+        assert all(_closed_by_peer(sock) for sock in stuck)
+    finally:
+        for sock in stuck:
+            sock.close()
+
+
+# A gRPC client that never reads: HTTP/2 by hand, announcing a stream window of 1 byte (SETTINGS_INITIAL_WINDOW_SIZE),
+# so the gateway's first response waits for a WINDOW_UPDATE that never comes. Runs as its own process: it keeps its
+# socket open until killed.
+_RAW_GRPC_CLIENT = r"""
+import socket, struct, sys
+from protos import gateway_pb2
+host, port = sys.argv[1].rsplit(":", 1)
+sock = socket.create_connection((host, int(port)))
+def frame(kind, flags, stream, payload):
+    return struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(">I", stream) + payload
+settings = struct.pack(">HI", 0x4, 1)  # SETTINGS_INITIAL_WINDOW_SIZE = 1
+def literal(name, value):  # HPACK literal header field without indexing, new name
+    return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
+headers = b"".join(literal(n, v) for n, v in [
+    (b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/pdserve.v1.Gateway/Generate"),
+    (b":authority", b"x"), (b"content-type", b"application/grpc"), (b"te", b"trailers")])
+request = gateway_pb2.GenerateRequest(prompt="Once upon a time", max_tokens=64, ignore_eos=True).SerializeToString()
+message = b"\x00" + struct.pack(">I", len(request)) + request
+sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0, settings) + frame(1, 4, 1, headers)
+             + frame(0, 1, 1, message))
+print("sent", flush=True)
+sys.stdin.read()  # until the test ends: never read the socket
+"""
+
+
+def test_a_grpc_stream_whose_window_never_opens_is_cut_and_frees_its_place(stall_cluster: Cluster) -> None:
+    stalls = _metric(stall_cluster, "pdserve_client_stalls_total")
+    root = Path(__file__).resolve().parents[1]
+    client = subprocess.Popen([sys.executable, "-c", _RAW_GRPC_CLIENT, stall_cluster.gateway.address], cwd=root,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert client.stdout is not None and client.stdout.readline().strip() == "sent"
+        wait_until(lambda: _metric(stall_cluster, "pdserve_client_stalls_total") >= stalls + 1,
+                   "the raw gRPC stream cut", timeout_s=60)
+        assert client.poll() is None  # its socket is still open: the gateway freed the request under it
+        wait_until(lambda: not any(live_gauges(stall_cluster).values()), lambda: f"gauges {live_gauges(stall_cluster)}",
+                   timeout_s=30)
+        assert_nothing_held(stall_cluster, within_s=10)
+        assert generate(stall_cluster.gateway.address, timeout=60, prompt="Hi", max_tokens=2).finish_reason
+    finally:
+        client.kill()
+        client.wait()
+
+
+def test_one_client_over_its_caps_is_refused_at_once_while_another_is_served(stall_cluster: Cluster) -> None:
+    """Without API keys a client is its peer address; here every call comes from 127.0.0.1, one client: three run,
+    one waits, the fifth is refused at once with RESOURCE_EXHAUSTED and a retry hint. Over HTTP: 429 with
+    Retry-After."""
+
+    async def scenario() -> None:
+        async with grpc.aio.insecure_channel(stall_cluster.gateway.address) as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+            long = gateway_pb2.GenerateRequest(prompt="Once upon a time", max_tokens=400, ignore_eos=True)
+            calls = [stub.Generate(long, timeout=120) for _ in range(4)]
+            for call in calls[:3]:  # three run: each has its first token
+                await call.read()
+            refused = stub.Generate(long, timeout=120)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await refused.read()
+            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-queue-per-client" in (caught.value.details() or "")
+            trailing = dict(await refused.trailing_metadata() or ())
+            assert int(trailing["retry-after-ms"]) > 0
+            import aiohttp
+            async with aiohttp.ClientSession() as session, session.post(
+                    f"http://{stall_cluster.gateway.http}/v1/completions",
+                    json={"prompt": "Hi", "max_tokens": 2}) as response:
+                assert response.status == 429 and int(response.headers["Retry-After"]) >= 1
+                assert (await response.json())["error"]["type"] == "rate_limit_error"
+            for call in calls:
+                call.cancel()
+
+    asyncio.run(scenario())
+    wait_until(lambda: not any(live_gauges(stall_cluster).values()), lambda: f"gauges {live_gauges(stall_cluster)}",
+               timeout_s=30)
+    assert_nothing_held(stall_cluster, within_s=10)
+
+
+def test_a_freed_place_goes_to_the_client_running_fewest() -> None:
+    """Two places. Client a holds both and queues two more; client b queues one after them. When one of a's ends,
+    b gets the place (it runs none), not a's older waiter; then a's waiters in their order."""
+
+    async def scenario() -> None:
+        admission = Admission(AdmissionConfig(max_in_flight=2, max_queue=8, queue_timeout_s=30,
+                                              max_in_flight_per_client=0, max_queue_per_client=0))
+        order: list[str] = []
+        release = {name: asyncio.Event() for name in ("a1", "a2", "a3", "a4", "b1")}
+
+        async def request(name: str) -> None:
+            async with admission.slot(client=name[0]):
+                order.append(name)
+                await release[name].wait()
+
+        tasks = {}
+        for name in ("a1", "a2", "a3", "a4", "b1"):
+            tasks[name] = asyncio.ensure_future(request(name))
+            await asyncio.sleep(0.01)
+        assert order == ["a1", "a2"] and admission.queued == 3
+        release["a1"].set()
+        await asyncio.sleep(0.01)
+        assert order[-1] == "b1"  # not a3, though a3 waited longer
+        for name in ("a2", "b1", "a3", "a4"):
+            release[name].set()
+        await asyncio.gather(*tasks.values())
+        assert order == ["a1", "a2", "b1", "a3", "a4"]
+        assert (admission.running, admission.queued) == (0, 0)
+
+    asyncio.run(scenario())
+
+
+def test_a_client_at_its_running_cap_waits_while_others_take_free_places() -> None:
+    async def scenario() -> None:
+        admission = Admission(AdmissionConfig(max_in_flight=4, max_queue=8, queue_timeout_s=0.3,
+                                              max_in_flight_per_client=1, max_queue_per_client=1))
+        hold = asyncio.Event()
+
+        async def request(client: str) -> None:
+            async with admission.slot(client=client):
+                await hold.wait()
+
+        first = asyncio.ensure_future(request("a"))
+        await asyncio.sleep(0.01)
+        second = asyncio.ensure_future(request("a"))  # over a's running cap: waits though places are free
+        await asyncio.sleep(0.01)
+        assert (admission.running, admission.queued) == (1, 1)
+        with pytest.raises(Overloaded, match="--max-queue-per-client"):
+            await request("a")  # a's queue is full: refused at once
+        other = asyncio.ensure_future(request("b"))  # b is under its cap: takes a free place at once
+        await asyncio.sleep(0.01)
+        assert (admission.running, admission.queued) == (2, 1)
+        with pytest.raises(Overloaded, match="--max-in-flight-per-client"):
+            await second  # its queue timeout passed while a still ran its one
+        hold.set()
+        await asyncio.gather(first, other)
+        assert (admission.running, admission.queued) == (0, 0)
+
+    asyncio.run(scenario())
