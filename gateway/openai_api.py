@@ -22,8 +22,10 @@ import contextlib
 import json
 import logging
 import math
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -37,9 +39,18 @@ from protos.types import check_temperature
 log = logging.getLogger(__name__)
 
 # A request body's size: 1 MiB, aiohttp's own default. That is ~250,000 tokens of prompt, past any context served
-# here. The body is parsed on the event loop (json.loads holds the GIL, so a thread would not free the loop), and
-# the cap bounds that parse to tens of milliseconds at worst (docs/architecture.md, "Why these numbers").
+# here (docs/architecture.md, "Why these numbers").
 MAX_BODY_BYTES = 1 << 20
+# Bodies over this are parsed on a thread of their own (_parse_json), one at a time; smaller ones take < 2 ms on the
+# event loop.
+BIG_BODY_BYTES = 64 << 10
+_PARSING = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parse-json")
+# Bodies read and parsed at once: what they hold in memory is bounded (16 MiB at most) whatever the connections.
+MAX_BODIES_AT_ONCE = 16
+# Open HTTP connections: each holds a file descriptor and up to ~200 KB of socket buffers; 512 is 8 per running
+# place (--max-in-flight 64), room for every client's keep-alive pool. Past it a new connection gets 503.
+DEFAULT_MAX_CONNECTIONS = 512
+SEND_BUFFER_BYTES = 64 << 10  # the kernel doubles it: ~128 KB, a few hundred SSE events
 # Seconds the whole body may take to arrive once the headers have: a slowloris client trickling it holds a
 # connection, never more, and only this long. 1 MiB arrives in 30 s at 280 kbit/s.
 DEFAULT_BODY_TIMEOUT_S = 30.0
@@ -160,10 +171,41 @@ async def _write(out: web.StreamResponse, data: bytes, stall_s: float) -> None:
         raise ClientStalled(stall_s) from None
 
 
+def _parse_json(raw: bytes, yielding: bool = False) -> Any:
+    """`raw` as JSON, or BadBody. `yielding`: numbers are parsed by Python functions, each a point where a thread
+    parsing a big body lets the event loop run."""
+    hooks: dict[str, Any] = {"parse_int": lambda text: int(text), "parse_float": lambda text: float(text)} \
+        if yielding else {}
+    try:
+        return json.loads(raw, object_pairs_hook=_unique_keys, parse_constant=_no_constant, **hooks)
+    except _RepeatedKey as exc:
+        raise BadBody(400, f"the request body repeats the key {_short(exc.key)}", param=exc.key[:40]) from None
+    except UnicodeDecodeError:
+        raise BadBody(400, "the request body is not valid UTF-8") from None
+    except RecursionError:
+        raise BadBody(400, "the request body nests too deeply") from None
+    except ValueError as exc:
+        raise BadBody(400, f"the request body is not valid JSON: {exc}") from None
+
+
+class _Refuse(asyncio.Protocol):
+    """A connection past --max-http-connections: answered 503 with Retry-After, then closed, before any request of
+    it is read."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        body = json.dumps(_error_body(503, "too many HTTP connections to this gateway (--max-http-connections); "
+                                      "retry later, or reuse a connection", code="too_many_connections")).encode()
+        assert isinstance(transport, asyncio.WriteTransport)
+        transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+                        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        transport.close()
+
+
 class OpenAIServer:
     def __init__(self, servicer: Any, model_name: str, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                  deadline_s: float = DEFAULT_HTTP_DEADLINE_S,
-                 stall_timeout_s: float = DEFAULT_CLIENT_STALL_TIMEOUT_S) -> None:
+                 stall_timeout_s: float = DEFAULT_CLIENT_STALL_TIMEOUT_S,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
         """`servicer`: the GatewayServicer whose `stream`, `tokenizer`, `keys` and `model` it uses. `deadline_s`:
         every HTTP request's deadline (HTTP clients send none; without one a request could wait forever)."""
         self.servicer, self.model_name, self.body_timeout_s = servicer, model_name, body_timeout_s
@@ -176,15 +218,31 @@ class OpenAIServer:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/health", self.health)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)  # a disconnect cancels
+        self._listener: asyncio.Server | None = None
+        self.max_connections = max_connections
+        self._bodies = asyncio.Semaphore(MAX_BODIES_AT_ONCE)
 
     async def start(self, host: str, port: int) -> str:
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
-        bound = self._runner.addresses[0][1]
-        return f"{host}:{bound}"
+        server = self._runner.server
+        assert server is not None
+
+        def connection() -> asyncio.BaseProtocol:  # past the cap, a new connection is answered 503 and closed
+            return _Refuse() if len(server.connections) >= self.max_connections else server()
+
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listening = socket.socket(family, socket.SOCK_STREAM)
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # Accepted connections inherit it: a fixed send buffer, not autotuned up to 4 MB, bounds what a reader that
+        # stops reading parks in the kernel, so its stream stalls (and is cut) within a few hundred tokens.
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+        listening.bind((host, port))
+        self._listener = await asyncio.get_running_loop().create_server(connection, sock=listening, backlog=128)
+        return f"{host}:{listening.getsockname()[1]}"
 
     async def stop(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
         await self._runner.cleanup()
 
     @web.middleware
@@ -241,27 +299,25 @@ class OpenAIServer:
             return await self._stream(request, reply, first, responses, include_usage)
 
     async def _body(self, request: web.Request) -> Any:
-        """The request's JSON body, its size and its arrival time bounded before it is parsed."""
+        """The request's JSON body, its size and its arrival time bounded before it is parsed. At most
+        MAX_BODIES_AT_ONCE are read and parsed at once (the rest wait, within the same body timeout)."""
         if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
             raise BadBody(413, f"the request body is {request.content_length} bytes; at most {MAX_BODY_BYTES} are "
                           "accepted")
         try:
             async with asyncio.timeout(self.body_timeout_s):
-                raw = await request.read()  # aiohttp stops a chunked body at client_max_size
+                async with self._bodies:
+                    raw = await request.read()  # aiohttp stops a chunked body at client_max_size
+                    if len(raw) <= BIG_BODY_BYTES:
+                        return _parse_json(raw)
+                    # json.loads holds the GIL throughout, unless it calls back into Python: with Python hooks for
+                    # numbers a thread hands the loop the GIL every switch interval (a 1 MiB list of token ids:
+                    # ~7 ms the loop waits at most, ~30 ms parsed on the loop)
+                    return await asyncio.get_running_loop().run_in_executor(_PARSING, _parse_json, raw, True)
         except web.HTTPRequestEntityTooLarge:
             raise BadBody(413, f"the request body is over {MAX_BODY_BYTES} bytes, the most accepted") from None
         except TimeoutError:
             raise BadBody(408, f"the request body did not arrive within {self.body_timeout_s:g} s") from None
-        try:
-            return json.loads(raw, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
-        except _RepeatedKey as exc:
-            raise BadBody(400, f"the request body repeats the key {_short(exc.key)}", param=exc.key[:40]) from None
-        except UnicodeDecodeError:
-            raise BadBody(400, "the request body is not valid UTF-8") from None
-        except RecursionError:
-            raise BadBody(400, "the request body nests too deeply") from None
-        except ValueError as exc:
-            raise BadBody(400, f"the request body is not valid JSON: {exc}") from None
 
     async def _whole(self, reply: _Reply, first: gateway_pb2.GenerateResponse,
                      responses: AsyncIterator[gateway_pb2.GenerateResponse]) -> web.Response:

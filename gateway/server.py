@@ -40,7 +40,12 @@ from gateway.auth import ApiKeys
 from gateway.detokenizer import TextStream
 from gateway.errors import DEFAULT_CLIENT_STALL_TIMEOUT_S, ClientStalled, GatewayError, InvalidRequest
 from gateway.journey import RetryPolicy, Timings
-from gateway.openai_api import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HTTP_DEADLINE_S, OpenAIServer
+from gateway.openai_api import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HTTP_DEADLINE_S,
+    DEFAULT_MAX_CONNECTIONS,
+    OpenAIServer,
+)
 from gateway.request import (
     MAX_REQUEST_ID_CHARS,
     GenerateParams,
@@ -81,6 +86,7 @@ class GatewayConfig:
     http_body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # an HTTP body that takes longer to arrive gets 408
     http_deadline_s: float = DEFAULT_HTTP_DEADLINE_S  # an HTTP request not done by then ends with 504
     client_stall_timeout_s: float = DEFAULT_CLIENT_STALL_TIMEOUT_S  # a client that reads nothing this long is cut
+    max_http_connections: int = DEFAULT_MAX_CONNECTIONS  # open HTTP connections; past it a new one gets 503
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -103,6 +109,8 @@ class GatewayConfig:
             raise ValueError(f"--http-body-timeout {self.http_body_timeout_s}: must be > 0")
         if not self.http_deadline_s > 0:
             raise ValueError(f"--http-deadline {self.http_deadline_s}: must be > 0")
+        if self.max_http_connections < 1:
+            raise ValueError(f"--max-http-connections {self.max_http_connections}: must be >= 1")
         if not self.client_stall_timeout_s > 0:
             raise ValueError(f"--client-stall-timeout {self.client_stall_timeout_s}: must be > 0")
         if self.api_key_file and not os.path.isfile(self.api_key_file):
@@ -129,7 +137,7 @@ class GatewayConfig:
                    poll_interval_s=args.poll_interval_s, http_port=args.http_port, api_key_file=args.api_key_file,
                    served_model_name=args.served_model_name, prefix_balance_tokens=args.prefix_balance_tokens,
                    http_body_timeout_s=args.http_body_timeout_s, http_deadline_s=args.http_deadline_s,
-                   client_stall_timeout_s=args.client_stall_timeout_s)
+                   client_stall_timeout_s=args.client_stall_timeout_s, max_http_connections=args.max_http_connections)
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
@@ -207,6 +215,9 @@ class GatewayConfig:
         group.add_argument("--http-deadline", type=float, default=DEFAULT_HTTP_DEADLINE_S, dest="http_deadline_s",
                            help="seconds an HTTP request may run in all, as a gRPC client's deadline does; past it the "
                            "request ends with 504 (or an error event, when streaming) and frees every worker "
+                           "(default: %(default)s)")
+        group.add_argument("--max-http-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                           help="open HTTP connections at once; a new one past it is answered 503 and closed "
                            "(default: %(default)s)")
         group.add_argument("--served-model-name", default=GatewayConfig.served_model_name,
                            help="the model's name in the HTTP API (default: the model directory's name)")
@@ -549,7 +560,7 @@ async def serve(config: GatewayConfig) -> None:
                                Colocation(config.colocate_below, config.colocate_queued), config.retry,
                                config.admission, ApiKeys.load(config.api_key_file), config.client_stall_timeout_s)
     http = OpenAIServer(servicer, config.served_model_name or _model_name(config.model), config.http_body_timeout_s,
-                        config.http_deadline_s, config.client_stall_timeout_s)
+                        config.http_deadline_s, config.client_stall_timeout_s, config.max_http_connections)
     announce = {}
     if config.http_port >= 0:
         announce["http"] = await http.start(config.server.host, config.http_port)

@@ -24,7 +24,7 @@ import pytest
 from pdserve.client import Completion, generate, stream
 from pdserve.cluster import Cluster
 from serving.metrics import scrape
-from tests.helpers import assert_nothing_held, decoding_worker, start_cluster, wait_until, worker_info
+from tests.helpers import assert_nothing_held, decoding_worker, start_cluster
 
 LEASE_S = 1.0
 LONG_PROMPT = "count " * 440  # ~440 tokens: on the 200-layer tiny model, in 16-token chunks, about a second a prompt
@@ -130,8 +130,7 @@ def test_a_decode_worker_frozen_while_it_prefills_a_colocated_prompt_is_left_for
         pending = pool.submit(generate, colocated_only.gateway.address, timeout=30, prompt=LONG_PROMPT,
                               max_tokens=4, temperature=0.0)
         # 1. Freeze the worker while the prompt is in its prefill (it holds the sequence, no token sent yet).
-        frozen = wait_until(lambda: next((s for s in colocated_only.decode if worker_info(s).live_sequences), None),
-                            "a decode worker prefilling the prompt", interval_s=0.01)
+        frozen = decoding_worker(colocated_only)  # (a colocated prompt counts as a sequence while it prefills)
         frozen.process.send_signal(signal.SIGSTOP)
         try:
             # 2. Its heartbeats stop: the gateway retries on the other worker, well within the client's deadline.

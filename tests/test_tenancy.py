@@ -133,7 +133,7 @@ def test_a_grpc_stream_whose_window_never_opens_is_cut_and_frees_its_place(stall
         client.wait()
 
 
-def test_one_client_over_its_caps_is_refused_at_once_while_another_is_served(stall_cluster: Cluster) -> None:
+def test_one_client_over_its_caps_is_refused_at_once(stall_cluster: Cluster) -> None:
     """Without API keys a client is its peer address; here every call comes from 127.0.0.1, one client: three run,
     one waits, the fifth is refused at once with RESOURCE_EXHAUSTED and a retry hint. Over HTTP: 429 with
     Retry-After."""
@@ -141,10 +141,15 @@ def test_one_client_over_its_caps_is_refused_at_once_while_another_is_served(sta
     async def scenario() -> None:
         async with grpc.aio.insecure_channel(stall_cluster.gateway.address) as channel:
             stub = gateway_pb2_grpc.GatewayStub(channel)
-            long = gateway_pb2.GenerateRequest(prompt="Once upon a time", max_tokens=400, ignore_eos=True)
-            calls = [stub.Generate(long, timeout=120) for _ in range(4)]
-            for call in calls[:3]:  # three run: each has its first token
+            long = gateway_pb2.GenerateRequest(prompt="Once upon a time", max_tokens=8000, ignore_eos=True)
+            calls = [stub.Generate(long, timeout=120) for _ in range(3)]
+            for call in calls:  # three run: each has its first token
                 await call.read()
+            calls.append(stub.Generate(long, timeout=120))  # the fourth waits
+            for _ in range(600):
+                if (await asyncio.to_thread(_metric, stall_cluster, "pdserve_queued_requests")) == 1:
+                    break
+                await asyncio.sleep(0.05)
             refused = stub.Generate(long, timeout=120)
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await refused.read()
