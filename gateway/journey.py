@@ -149,8 +149,8 @@ async def run_with_failover(
                 yield tokens
     except GatewayError as exc:
         if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED and (deadline is None or loop.time() < deadline):
-            raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"{exc.message} (the request's own deadline had not "
-                               "passed; retry)", exc.worker) from None
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"{exc.message} (a server-side limit, not the request's "
+                               "deadline; retry)", exc.worker) from None
         raise
 
 

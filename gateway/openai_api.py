@@ -26,7 +26,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from aiohttp import web
@@ -189,16 +189,30 @@ def _parse_json(raw: bytes, yielding: bool = False) -> Any:
 
 
 class _Refuse(asyncio.Protocol):
-    """A connection past --max-http-connections: answered 503 with Retry-After, then closed, before any request of
-    it is read."""
+    """A connection past --max-http-connections: answered 503 with Retry-After before any request of it is read,
+    then closed once the client has closed its side, or after a second (a lingering close: closing with the
+    client's request unread would reset the connection and could drop the answer before the client reads it)."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         body = json.dumps(_error_body(503, "too many HTTP connections to this gateway (--max-http-connections); "
                                       "retry later, or reuse a connection", code="too_many_connections")).encode()
-        assert isinstance(transport, asyncio.WriteTransport)
-        transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
-                        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-        transport.close()
+        self.transport = cast(asyncio.WriteTransport, transport)  # uvloop's transports are no subclass of asyncio's
+        self.transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                             b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+                             % (len(body), body))
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._closing = asyncio.get_running_loop().call_later(1.0, self.transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        pass  # read and dropped
+
+    def eof_received(self) -> bool:
+        self.transport.close()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closing.cancel()
 
 
 class OpenAIServer:

@@ -9,7 +9,6 @@ import json
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -231,3 +230,126 @@ def test_a_client_at_its_running_cap_waits_while_others_take_free_places() -> No
         assert (admission.running, admission.queued) == (0, 0)
 
     asyncio.run(scenario())
+
+
+def test_http_connections_past_the_cap_are_answered_503_and_closed(tiny_model_dir: Path) -> None:
+    cluster = start_cluster(tiny_model_dir, gateway_args=("--max-http-connections=2",))
+    try:
+        host, port = cluster.gateway.http.rsplit(":", 1)
+        held = [socket.create_connection((host, int(port))) for _ in range(2)]
+        wait_until(lambda: _answer(host, port).startswith(b"HTTP/1.1 503"), "the third connection refused")
+        answer = _answer(host, port)
+        assert b"Retry-After: 1" in answer and b"--max-http-connections" in answer
+        held.pop().close()
+        wait_until(lambda: _answer(host, port, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                   .startswith(b"HTTP/1.1 200"), "a connection served again once one closed")
+        for sock in held:
+            sock.close()
+    finally:
+        cluster.stop()
+
+
+def _answer(host: str, port: str, request: bytes = b"") -> bytes:
+    """What the gateway answers on a new connection (after sending `request`), until it closes it or 5 s pass."""
+    with socket.create_connection((host, int(port))) as sock:
+        sock.settimeout(5)
+        if request:
+            sock.sendall(request)
+        chunks = []
+        try:
+            while data := sock.recv(1 << 16):
+                chunks.append(data)
+        except TimeoutError:
+            pass
+        return b"".join(chunks)
+
+
+def test_a_big_body_is_parsed_off_the_event_loop_and_hands_it_back() -> None:
+    """A 1 MiB list of token ids (~30 ms to parse): parsed on a thread whose number hooks let the loop run, so a
+    timer on the loop fires during the parse; and parsed exactly as json.loads parses it."""
+    from gateway import openai_api
+
+    body = json.dumps({"prompt": list(range(1 << 17, (1 << 17) + 150_000)), "max_tokens": 2}).encode()
+    assert len(body) > openai_api.BIG_BODY_BYTES
+
+    async def scenario() -> int:
+        ticks = 0
+        parsing = True
+
+        async def tick() -> None:
+            nonlocal ticks
+            while parsing:
+                await asyncio.sleep(0)
+                ticks += 1
+
+        ticker = asyncio.ensure_future(tick())
+        await asyncio.sleep(0)
+        ticks = 0
+        parsed = await asyncio.get_running_loop().run_in_executor(openai_api._PARSING, openai_api._parse_json,
+                                                                  body, True)
+        parsing = False
+        await ticker
+        assert parsed == json.loads(body)
+        return ticks
+
+    assert asyncio.run(scenario()) > 1  # parsed on the loop, or holding the GIL throughout, it would be 0 or 1
+
+
+def test_a_short_prompt_is_tokenized_while_a_long_one_still_runs() -> None:
+    """Two lanes: a prompt over SHORT_PROMPT_CHARS takes the long lane, so a short prompt never waits behind it.
+    The long prompt's tokenizing is held until the short one is done: with one lane this would deadlock."""
+    import threading
+
+    from gateway import request as requests
+
+    long_started, short_done = threading.Event(), threading.Event()
+
+    class Tokenizer:
+        chat_template = None
+
+        def get_vocab(self) -> dict[str, int]:
+            return {"x" * 16: 0}
+
+        def encode(self, text: str) -> list[int]:
+            if len(text) > requests.SHORT_PROMPT_CHARS:
+                long_started.set()
+                assert short_done.wait(30), "the short prompt waited behind the long one"
+            return [1] * min(len(text), 10)
+
+    async def scenario() -> None:
+        tokenizer = Tokenizer()
+        long = asyncio.ensure_future(requests.parse_request(
+            gateway_pb2.GenerateRequest(prompt="y" * (requests.SHORT_PROMPT_CHARS + 1), max_tokens=1), tokenizer,
+            100, 4096))
+        assert await asyncio.to_thread(long_started.wait, 30)
+        short = await requests.parse_request(gateway_pb2.GenerateRequest(prompt="hello", max_tokens=1), tokenizer,
+                                             100, 4096)
+        short_done.set()
+        assert short.prompt_ids == [1] * 5 and len((await long).prompt_ids) == 10
+
+    asyncio.run(scenario())
+
+
+def test_a_tokenizing_job_whose_deadline_passed_is_dropped_unrun() -> None:
+    from gateway import request as requests
+
+    ran = []
+
+    class Tokenizer:
+        chat_template = None
+
+        def get_vocab(self) -> dict[str, int]:
+            return {"x": 0}
+
+        def encode(self, text: str) -> list[int]:
+            ran.append(text)
+            return [1]
+
+    async def scenario() -> None:
+        past = asyncio.get_running_loop().time() - 1
+        with pytest.raises(requests.InvalidRequest, match="deadline passed"):
+            await requests.parse_request(gateway_pb2.GenerateRequest(prompt="hello"), Tokenizer(), 100, 4096,
+                                         deadline=past)
+
+    asyncio.run(scenario())
+    assert ran == []
