@@ -509,8 +509,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         first_at = 0.0
         finish = ""
         # aclosing: a stop string ends the loop early, and the journey must cancel its worker calls right then
-        colocated = self.colocation.applies(len(params.prompt_ids), self.prefill)
-        journey_ = journey.run_with_failover(params, self.prefill, self.decode, timings, deadline, colocated,
+        journey_ = journey.run_with_failover(params, self.prefill, self.decode, timings, deadline, self.colocation,
                                              self.retry, self.pairs, self.eos_token_ids)
         async with contextlib.aclosing(journey_) as pieces:
             async for tokens in pieces:

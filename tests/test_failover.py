@@ -111,7 +111,7 @@ def test_both_services_hand_a_migrated_stream_s_decoded_tokens_to_their_engine(t
     decode = DecodeServicer(DecodeConfig(server=ServerConfig(), model=model, kv_warm_mb=0), runner)
     jobs, prompts = [], []
     prefill.engine.submit = lambda job: (jobs.append(job), job.abandon.set())  # type: ignore[method-assign]
-    decode.engine.submit_prompt = lambda seq, prompt, decoded=0: prompts.append(  # type: ignore[method-assign]
+    decode.engine.submit_prompt = lambda seq, prompt, decoded=0, cache_salt="": prompts.append(  # type: ignore[method-assign]
         (list(prompt), decoded))
 
     async def requests() -> None:

@@ -99,7 +99,9 @@ def test_segments_of_a_killed_decode_worker_are_removed_when_the_next_one_starts
         cluster.stop()
 
 
-def test_lease_ending_while_prefill_is_frozen_reaches_the_client_as_deadline_exceeded(tiny_model_dir: Path) -> None:
+def test_lease_ending_while_prefill_is_frozen_reaches_the_client_as_unavailable(tiny_model_dir: Path) -> None:
+    """A frozen prefill worker stops renewing decode's lease: the lease ends, and the client, whose own deadline is
+    far off, is told UNAVAILABLE naming the lease (never DEADLINE_EXCEEDED, which means the client's deadline)."""
     cluster = start_cluster(tiny_model_dir, decode_args=("--lease=1",))
     prefill = cluster.prefill[0].process
     try:
@@ -109,7 +111,7 @@ def test_lease_ending_while_prefill_is_frozen_reaches_the_client_as_deadline_exc
                 generate(cluster.gateway.address, timeout=30, prompt="Hello", max_tokens=4)
         finally:
             prefill.send_signal(signal.SIGCONT)
-        assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "lease" in (failed.value.details() or "")
         assert_nothing_held(cluster, within_s=5)
         assert generate(cluster.gateway.address, timeout=30, prompt="Hello", max_tokens=4).finish_reason

@@ -40,7 +40,7 @@ def test_many_decode_addresses_keep_the_cache_bounded_and_a_call_in_flight_alive
     async def run() -> None:
         # 1. A decode-like server whose streaming call (health Watch) stays open, reached through the cache.
         server = grpc.aio.server()
-        watched = health.HealthServicer()
+        watched = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(watched, server)
         address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
         await server.start()
