@@ -3,6 +3,10 @@
 - cancel_storm: requests on a 2-prefill, 2-decode cluster, each cancelled at a random moment (queued, reserving,
   prefilling, transferring or decoding). ok: every live gauge on every service is 0 within 1 s of the last
   cancel, and a normal request succeeds afterwards.
+- storm: 200 requests in 4 s on a 2-prefill, 2-decode cluster (prompts of 20 to 900 words, each cancelled at a
+  random moment or read to the end). ok: every request ends OK, CANCELLED by its client, or refused for load
+  (RESOURCE_EXHAUSTED) before its first token; never DEADLINE_EXCEEDED or any other failure. Every live gauge 0
+  within 1 s of the last request's end.
 - kill_decode: greedy streams run; one of two decode workers is SIGKILLed once half of them have tokens. ok:
   all complete, token for token identical to an uninterrupted run.
 - kill_prefill: requests arrive; one of two prefill workers is SIGKILLed. ok: all complete.
@@ -30,6 +34,7 @@ import grpc
 
 from bench.report import add_output_args, publish
 from bench.scenarios import percentile
+from bench.soak import model_context
 from model_runner.loading import resolve_model
 from pdserve.cluster import Cluster, ClusterConfig, Service, spawn_service, start, stop_all, wait_healthy, wait_ready
 from pdserve.faults import FaultProxy
@@ -44,8 +49,9 @@ CLEAR_STATUSES = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "DAT
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--experiments", default=",".join(EXPERIMENTS), help="which to run (default: all five)")
+    parser.add_argument("--experiments", default=",".join(EXPERIMENTS), help="which to run (default: all six)")
     parser.add_argument("--cancels", type=int, default=500, help="cancel storm requests (default: %(default)s)")
+    parser.add_argument("--storm", type=int, default=200, help="storm requests, sent over 4 s (default: %(default)s)")
     parser.add_argument("--streams", type=int, default=16, help="streams in the kill and link experiments")
     parser.add_argument("--max-tokens", type=int, default=24, help="tokens per stream (default: %(default)s)")
     add_output_args(parser, "chaos", plot=False)
@@ -166,6 +172,72 @@ def cancel_storm(model: str, args: argparse.Namespace) -> dict[str, Any]:
                 "held_when_checked": held, "held_after_5_s": {} if waited is not None else _held(cluster),
                 "normal_request_after": after,
                 "ok": drained is not None and drained <= 1.0 and after == "OK"}
+    finally:
+        cluster.stop()
+
+
+_WORDS = ("river", "stone", "quiet", "market", "lantern", "orbit", "meadow", "copper", "signal", "harbor", "winter",
+          "garden", "thunder", "paper", "violet", "engine", "canyon", "mirror", "falcon", "silver")
+
+
+def storm(model: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Open-loop arrivals: `--storm` requests evenly over 4 s, each a unique text prompt of 20-900 words and 64
+    tokens to generate; half are read to the end, half cancelled after a random 0-3 s."""
+    max_words = min(900, (model_context(Path(model)) - 64) // 2)  # a word is a token or two; 64 generated
+    cluster = _cluster(model)
+    rng = random.Random(1)
+    try:
+        async def run_storm() -> tuple[dict[str, int], list[str], float]:
+            outcomes: dict[str, int] = {}
+            unexpected: list[str] = []
+            last_end = 0.0
+            async with grpc.aio.insecure_channel(cluster.gateway.address) as channel:
+                stub = gateway_pb2_grpc.GatewayStub(channel)
+
+                async def one(index: int, words: int, cancel_after: float | None) -> None:
+                    nonlocal last_end
+                    await asyncio.sleep(index * 4.0 / args.storm)
+                    text = f"{index} " + " ".join(rng.choice(_WORDS) for _ in range(words))
+                    call = stub.Generate(gateway_pb2.GenerateRequest(prompt=text, max_tokens=64, ignore_eos=True),
+                                         timeout=300)
+                    received = 0
+
+                    async def read() -> None:
+                        nonlocal received
+                        async for response in call:
+                            received += len(response.token_ids)
+
+                    reading = asyncio.ensure_future(read())
+                    await asyncio.wait([reading], timeout=cancel_after)
+                    if not reading.done():
+                        call.cancel()
+                    results = await asyncio.gather(reading, return_exceptions=True)
+                    last_end = time.monotonic()
+                    error = results[0]
+                    if error is None:
+                        outcome = "finished"
+                    elif isinstance(error, asyncio.CancelledError) and cancel_after is not None:
+                        outcome = "cancelled_mid_stream" if received else "cancelled_before_first_token"
+                    elif isinstance(error, grpc.aio.AioRpcError) and not received \
+                            and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        outcome = "refused_before_start"
+                    else:
+                        outcome = "unexpected"
+                        unexpected.append(f"{type(error).__name__}: {getattr(error, 'code', lambda: '')()} "
+                                          f"{getattr(error, 'details', lambda: str(error))()}"[:200])
+                    outcomes[outcome] = outcomes.get(outcome, 0) + 1
+
+                plan = [(i, rng.randint(min(20, max_words), max_words),
+                         rng.uniform(0, 3) if rng.random() < 0.5 else None) for i in range(args.storm)]
+                await asyncio.gather(*(one(*p) for p in plan))
+            return outcomes, unexpected, last_end
+
+        outcomes, unexpected, last_end = asyncio.run(run_storm())
+        waited = _drained_within(cluster, 5.0)
+        drained = None if waited is None else time.monotonic() - last_end  # the last end to every gauge at 0
+        return {"requests": args.storm, **outcomes, "unexpected_statuses": unexpected[:10],
+                "drained_after_last_end_s": drained, "held_after_5_s": {} if waited is not None else _held(cluster),
+                "ok": not unexpected and drained is not None and drained <= 1.0}
     finally:
         cluster.stop()
 
@@ -324,7 +396,7 @@ def overload(model: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 EXPERIMENTS: dict[str, Callable[[str, argparse.Namespace], dict[str, Any]]] = {
-    "cancel_storm": cancel_storm, "kill_decode": kill_decode, "kill_prefill": kill_prefill,
+    "cancel_storm": cancel_storm, "storm": storm, "kill_decode": kill_decode, "kill_prefill": kill_prefill,
     "link_fault": link_fault, "overload": overload,
 }
 

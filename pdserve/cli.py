@@ -41,6 +41,7 @@ BENCHES = {
     "serve": "chats and documents through OpenAI-compatible servers (pdserve, vLLM, llama.cpp)",
     "soak": "a long mixed load with cancels and hostile requests; RSS, fds and live gauges",
     "hostile": "a bystander stream's pace while the hostile corpus runs beside it",
+    "abuse": "the tenancy defences: stuck readers, a flooding key, big prompts, cache probes, bad headers",
 }
 
 

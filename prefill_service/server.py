@@ -213,7 +213,8 @@ class DecodeChannels:
         for address, lent in self._channels.items():
             if lent.last_used > stale_before and len(idle) >= excess:
                 break
-            idle.append(address)
+            if not lent.in_flight:
+                idle.append(address)
         for address in idle:
             task = asyncio.ensure_future(self._channels.pop(address).channel.close())
             self._closing.add(task)

@@ -93,8 +93,12 @@ def test_bench_interference_reports_chats_documents_and_goodput(tiny_model_dir: 
 
 def test_bench_chaos_runs_every_experiment_and_reports_ok(tiny_model_dir: Path, tmp_path: Path) -> None:
     result = _bench("chaos", "--model", str(tiny_model_dir), "--cancels", "20", "--streams", "4", "--max-tokens", "8",
-                    "--out", str(tmp_path))
-    assert set(result) == {"cancel_storm", "kill_decode", "kill_prefill", "link_fault", "overload"}
+                    "--storm", "40", "--out", str(tmp_path))
+    assert set(result) == {"cancel_storm", "storm", "kill_decode", "kill_prefill", "link_fault", "overload"}
+    # the storm's requests end OK, cancelled by their client, or refused before they started: nothing else
+    assert result["storm"]["unexpected_statuses"] == [] and "unexpected" not in result["storm"]
+    assert sum(v for k, v in result["storm"].items() if k in ("finished", "cancelled_mid_stream",
+               "cancelled_before_first_token", "refused_before_start")) == 40
     assert all(isinstance(r["ok"], bool) for r in result.values())
     storm, kill_decode, kill_prefill = result["cancel_storm"], result["kill_decode"], result["kill_prefill"]
     # every request of the storm ended one of three ways

@@ -4,8 +4,10 @@ with its service's own flag parser; ports agree across commands, services and ne
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -144,3 +146,36 @@ def test_every_container_command_parses_and_the_ports_agree_with_services_and_po
     assert allowed(50062, "decode") == {"gateway"}  # decode's control RPCs: the gateway only
     assert allowed(50061, "prefill") == {"gateway"}
     assert allowed(50051, "gateway") == {"anyone"}
+
+
+SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|_KEYS?$")  # PDSERVE_WORKER_TOKEN, PDSERVE_API_KEYS, *_KEY
+
+
+def _environments() -> Iterator[tuple[str, str, object]]:
+    """(where, name, value) of every environment variable the compose files and the manifests set."""
+    for service, spec in _compose()["services"].items():  # (compose.test.yml sets no environment)
+        environment = spec.get("environment", {})
+        if isinstance(environment, list):
+            environment = dict(item.partition("=")[::2] for item in environment)
+        for name, value in environment.items():
+            yield f"docker-compose.yml {service}", name, value
+    for resource in _resources():
+        pod = resource.get("spec", {}).get("template", {}).get("spec", {})
+        for container in pod.get("containers", []) + pod.get("initContainers", []):
+            for variable in container.get("env", []):
+                yield f"k8s {resource['metadata']['name']}", variable["name"], variable.get("value", variable)
+
+
+def test_no_manifest_carries_a_default_secret() -> None:
+    """A secret written into a file of this repository (the compose file's worker token had a default) is known to
+    everyone who reads it: a secret comes from the user (compose: `${NAME:?message}`, refusing to start without
+    it), from a Kubernetes Secret (valueFrom), or is a path to a mounted file."""
+    secrets = [(where, name, value) for where, name, value in _environments() if SECRET_NAME.search(name)]
+    assert any(name == "PDSERVE_WORKER_TOKEN" for _, name, _ in secrets)  # the check sees the compose token
+    for where, name, value in secrets:
+        assert (isinstance(value, dict) and "valueFrom" in value or str(value).startswith("/")
+                or re.fullmatch(r"\$\{" + name + r":\?[^}]+\}", str(value))), f"{where}: {name}={value!r}"
+    for path in [DEPLOY / "docker-compose.yml", *DEPLOY.glob("podman/*.yml"), *K8S.glob("*.yaml")]:
+        defaults = re.findall(r"\$\{(\w+):?-[^}]*\}", path.read_text())  # ${NAME:-default}, comments included
+        assert not [name for name in defaults if SECRET_NAME.search(name)], f"{path.name}: a secret's default"
+    assert not [r for r in _resources() if r["kind"] == "Secret"]  # created by the user (deploy/README.md)

@@ -38,7 +38,9 @@ PROJECT = "pdserve"  # the compose file's `name`
 SERVICES = ("gateway", "prefill", "decode")
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 ENV = {**os.environ, "CONTAINERS_CONF": str(STATE / "containers.conf"),
-       "PATH": f"{STATE / 'tools' / 'bin'}:{os.environ['PATH']}"}
+       "PATH": f"{STATE / 'tools' / 'bin'}:{os.environ['PATH']}",
+       # the compose file has no default token (every compose command needs one): a random one per run
+       "PDSERVE_WORKER_TOKEN": os.environ.get("PDSERVE_WORKER_TOKEN") or secrets.token_hex(16)}
 
 
 def say(message: str) -> None:
