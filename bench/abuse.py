@@ -68,6 +68,8 @@ SYSTEM = "You are the support assistant of Example Corp; answer briefly and neve
 # issue 36's targets
 STUCK_TTFT_S, STUCK_CUT_S, STUCK_ITL_RATIO, FLOOD_RATIO, BIG_RATIO, LONE_RATIO = 5.0, 120.0, 1.5, 2.0, 2.0, 2.0
 HEADER_LIMIT = 8190  # aiohttp's longest header line: past it the parser refuses the request before any handler
+REQUEST_TIMEOUT_S = 60.0  # a bystander request not done by then failed (DEADLINE_EXCEEDED)
+CLEANUP_S = 150.0  # past --phase-timeout, for an attacker's last answers and the drain
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -131,7 +133,8 @@ class Bystander:
         request = gateway_pb2.GenerateRequest(prompt=self.prompt(), max_tokens=2, temperature=0.0, ignore_eos=True)
         started, first = time.perf_counter(), None
         try:
-            async for response in self.stub.Generate(request, metadata=_auth("bystander"), timeout=120):
+            async for response in self.stub.Generate(request, metadata=_auth("bystander"),
+                                                     timeout=REQUEST_TIMEOUT_S):
                 if first is None and response.token_ids:
                     first = time.perf_counter() - started
         except grpc.aio.AioRpcError as exc:
@@ -139,8 +142,15 @@ class Bystander:
             return None
         return first
 
-    async def ttfts(self, n: int) -> list[float]:
-        return [t for t in [await self.ttft() for _ in range(n)] if t is not None]
+    async def ttfts(self, n: int, into: list[float] | None = None) -> list[float]:
+        """`n` requests one after another: the TTFTs of those that succeeded, also appended to `into` as they come
+        (what was measured survives a cancel)."""
+        into = [] if into is None else into
+        for _ in range(n):
+            ttft = await self.ttft()
+            if ttft is not None:
+                into.append(ttft)
+        return into
 
     async def gaps(self, tokens: int) -> list[float]:
         """One greedy stream of `tokens` tokens: the seconds between its responses."""
@@ -148,7 +158,8 @@ class Bystander:
                                               ignore_eos=True)
         arrivals = []
         try:
-            async for response in self.stub.Generate(request, metadata=_auth("bystander"), timeout=300):
+            async for response in self.stub.Generate(request, metadata=_auth("bystander"),
+                                                     timeout=REQUEST_TIMEOUT_S + tokens):
                 if response.token_ids:
                     arrivals.append(time.perf_counter())
         except grpc.aio.AioRpcError as exc:
@@ -304,7 +315,7 @@ async def _big_prompts(facts: dict[str, Any], ready: Any, done: asyncio.Event) -
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120),
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
-        pending: set[asyncio.Future[None]] = set()
+        pending: set[asyncio.Task[None]] = set()
         sent, started = 0, time.monotonic()
         while not done.is_set():
             if len(pending) < 64:
@@ -318,8 +329,11 @@ async def _big_prompts(facts: dict[str, Any], ready: Any, done: asyncio.Event) -
                 ready.set()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(done.wait(), max(0.0, started + (sent + skipped) / BIG_PER_S - time.monotonic()))
-        if pending:
-            await asyncio.wait(pending, timeout=150)  # each is bounded by its 120 s timeout
+        if pending:  # answered by now, unless the gateway hangs
+            await asyncio.wait(pending, timeout=30)
+            for task in list(pending):
+                task.cancel()
+                statuses["no answer 30 s after the phase"] = statuses.get("no answer 30 s after the phase", 0) + 1
     ordered = sorted(answer_ms)
     return {"chars": len(text), "sent": sent, "skipped_ticks": skipped, "statuses": statuses,
             "answer_ms_p50": round(percentile(ordered, 50), 1) if ordered else None,
@@ -371,13 +385,13 @@ class Bench:
                 print(f"bench abuse: {phase}", file=sys.stderr, flush=True)
                 self.phases[phase] = {}
                 started = time.monotonic()
-                try:
-                    async with asyncio.timeout(self.args.phase_timeout):
+                try:  # each phase bounds its own measurement by --phase-timeout; this is the backstop
+                    async with asyncio.timeout(self.args.phase_timeout + CLEANUP_S):
                         await step()
                 except TimeoutError:
-                    self.phases[phase]["error"] = f"not done within --phase-timeout {self.args.phase_timeout:g} s"
-                    self.checks.append(_check(phase, "finished", False, f"within {self.args.phase_timeout:g} s",
-                                              False))
+                    limit = self.args.phase_timeout + CLEANUP_S
+                    self.phases[phase]["error"] = f"not done within {limit:g} s"
+                    self.checks.append(_check(phase, "finished", False, f"within {limit:g} s", False))
                 self.phases[phase]["seconds"] = round(time.monotonic() - started, 1)
 
     async def alone(self) -> None:
@@ -401,7 +415,7 @@ class Bench:
             self.checks.append(_at_most("stuck", "bystander TTFT beside them", phase["bystander_ttft_s"],
                                         STUCK_TTFT_S, " s"))
             cut_s = None
-            while cut_s is None:
+            while cut_s is None and time.monotonic() < opened + self.args.phase_timeout:
                 samples = await asyncio.to_thread(scrape, self.cluster.gateway.metrics)
                 phase["stalls_counted"] = samples.get("pdserve_client_stalls_total", 0.0) - stalls
                 phase["live_requests"] = samples.get("pdserve_live_requests", 0.0)
@@ -425,13 +439,19 @@ class Bench:
     async def beside(self, phase: str, attack: str, facts: dict[str, Any], target: float) -> None:
         """The bystander's --rounds requests while `attack` runs in its own process: TTFT p99 over alone."""
         failures = len(self.bystander.failures)
-        attacker = Attacker(attack, facts, self.args.phase_timeout)
+        attacker = Attacker(attack, facts, self.args.phase_timeout + 60)
+        ttfts: list[float] = []
+        figures = self.phases[phase]
         try:
             await attacker.begin()
-            ttfts = await self.bystander.ttfts(self.args.rounds)
+            async with asyncio.timeout(self.args.phase_timeout):
+                await self.bystander.ttfts(self.args.rounds, ttfts)
+        except TimeoutError:
+            figures["error"] = f"the bystander's rounds not done within --phase-timeout {self.args.phase_timeout:g} s"
+            self.checks.append(_check(phase, "bystander rounds done", f"{len(ttfts)}/{self.args.rounds}",
+                                      f"within {self.args.phase_timeout:g} s", False))
         finally:
-            report = await attacker.finish(timeout_s=180)
-        figures = self.phases[phase]
+            report = await attacker.finish(timeout_s=60)
         figures.update(_ttft_figures(ttfts))
         figures["ttft_p99_ratio"] = _ratio(figures["ttft_p99_ms"], self.phases["alone"].get("ttft_p99_ms"))
         figures[attack] = report
@@ -506,7 +526,7 @@ class Bench:
         cases = {"not UTF-8": b"Bearer \xff\xfe\x80 key \xc3(", "4 KiB bearer": b"Bearer " + b"k" * 4096,
                  "empty bearer": b"Bearer ", "past the parser's line limit": b"Bearer " + b"k" * (2 * HEADER_LIMIT)}
         answers: dict[str, str] = {}
-        for name, value in cases.items():
+        for name, value in cases.items():  # each on a connection of its own, closed after the answer
             head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: "
                     + value + b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body))
             answers[f"HTTP {name}"] = await _raw_status(self.cluster.gateway.http, head + body)
@@ -515,9 +535,10 @@ class Bench:
         answers["gRPC not UTF-8"] = "skipped: grpcio refuses a non-ASCII value under a key without -bin"
         self.phases["bad_headers"]["answers"] = answers
         for name, answer in answers.items():
-            expected = {"HTTP 400", "HTTP 431"} if "line limit" in name else {"UNAUTHENTICATED", "HTTP 401"}
+            expected = (("HTTP 400", "HTTP 431") if "line limit" in name else ("HTTP 401",) if name.startswith("HTTP")
+                        else ("UNAUTHENTICATED",))
             if not answer.startswith("skipped"):
-                self.checks.append(_check("bad_headers", name, answer, " or ".join(sorted(expected)),
+                self.checks.append(_check("bad_headers", name, answer, " or ".join(e.split()[-1] for e in expected),
                                           answer in expected))
 
     async def grpc_status(self, metadata: tuple[tuple[str, str], ...]) -> str:
@@ -655,9 +676,9 @@ def _table(result: dict[str, Any]) -> str:
     alone = phases.get("alone", {})
     lines = [f"bystander alone: TTFT p50 {alone.get('ttft_p50_ms')} ms, p99 {alone.get('ttft_p99_ms')} ms; ITL p50 "
              f"{alone.get('itl_p50_ms')} ms, p99 {alone.get('itl_p99_ms')} ms, max {alone.get('itl_max_ms')} ms",
-             f"{'phase':<12} {'check':<48} {'figure':>22} {'target':>16}  ok"]
+             f"{'phase':<12} {'check':<48} {'figure':>22} {'target':>18}  ok"]
     for c in result["checks"]:
-        lines.append(f"{c['phase']:<12} {c['name']:<48} {_cell(c['value'])[:22]:>22} {c['target'][:16]:>16}  "
+        lines.append(f"{c['phase']:<12} {c['name']:<48} {_cell(c['value'])[:22]:>22} {c['target'][:18]:>18}  "
                      f"{'ok' if c['ok'] else 'FAILED'}")
     for name in ("flood", "big_prompts"):
         report = phases.get(name, {}).get(name)

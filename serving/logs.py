@@ -168,6 +168,15 @@ def _stderr_writer() -> logging.Handler:
         return writer
 
 
+class _UndecodableMetadata(logging.Filter):
+    """Drops grpcio's "Invalid encoding on b'...'" record (and its traceback): it logs the metadata value whole,
+    which for a mistyped `authorization` header is a near-miss API key or worker token. The call itself is
+    refused (UNAUTHENTICATED) by the servicer as any wrong key."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != "Invalid encoding on %s"
+
+
 def configure() -> None:
     """Root logging for a service process, as PDSERVE_LOG_LEVEL and PDSERVE_LOG_FORMAT say: lines queued, and
     written to stderr by a thread of their own."""
@@ -187,6 +196,9 @@ def configure() -> None:
     otel = logging.getLogger("opentelemetry.context")
     if not any(isinstance(f, _AbandonedGeneratorDetach) for f in otel.filters):
         otel.addFilter(_AbandonedGeneratorDetach())
+    cygrpc = logging.getLogger("grpc._cython.cygrpc")
+    if not any(isinstance(f, _UndecodableMetadata) for f in cygrpc.filters):
+        cygrpc.addFilter(_UndecodableMetadata())
 
 
 atexit.register(_stop_listener)  # after logging's own exit hook is registered, so it runs before it

@@ -150,3 +150,49 @@ def test_bench_hostile_runs_the_corpus_beside_a_bystander_and_drains(tiny_model_
         else:
             assert stats["itl_p99_ms"] is None and result["bystander"]["p99_ratio"].get(side) is None
     assert (tmp_path / "hostile.json").exists()
+
+
+def test_bench_abuse_runs_every_phase_and_the_defences_hold(long_tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The defences' outcomes, not their latency ratios (a shared machine): the stuck readers are cut while their
+    sockets are open and everything they held is freed, the flooder is refused with a retry hint, no big prompt
+    gets a 5xx, another key is told nothing of the victim's cached prompt, bad keys get 401 / UNAUTHENTICATED."""
+    done = subprocess.run([*PDSERVE, "bench", "abuse", "--model", str(long_tiny_model_dir), "--stuck", "2",
+                           "--rounds", "3", "--alone", "3", "--tokens", "16", "--client-stall-timeout", "5",
+                           "--phase-timeout", "60", "--json", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900)
+    result = json.loads(done.stdout)
+    assert done.returncode == (0 if result["verdict"]["ok"] else 1), done.stderr[-2000:]
+    phases, checks = result["phases"], result["checks"]
+    assert list(phases) == ["alone", "stuck", "flood", "big_prompts", "lone_bytes", "cache_probe", "bad_headers"]
+    assert all("error" not in phase for phase in phases.values()), {k: v.get("error") for k, v in phases.items()}
+    assert all(set(c) == {"phase", "name", "value", "target", "ok", "limit"} for c in checks)
+    assert sorted(f"{c['phase']}: {c['name']}" for c in checks if not c["ok"]) == sorted(result["verdict"]["failed"])
+    # 1. the reference
+    assert phases["alone"]["requests"] == 3 and phases["alone"]["ttft_p50_ms"] <= phases["alone"]["ttft_p99_ms"]
+    # 2. both stuck readers cut while their sockets were open; the gateway closed them; nothing held
+    stuck = phases["stuck"]
+    assert stuck["stalls_counted"] >= 2 and stuck["live_requests"] == 0 and stuck["all_cut_s"] is not None
+    assert stuck["closed_by_gateway"] == 2
+    assert phases["alone"]["bystander_failures"] == stuck["bystander_failures"] == []
+    for phase in ("stuck", "flood", "big_prompts"):
+        assert phases[phase]["held"] == {} and phases[phase]["drained_s"] is not None, phase
+    # 3. the flooder is held to its caps: refused at once, every refusal with its retry hint
+    flood = phases["flood"]["flood"]
+    assert flood["refusals"]["count"] > 0 and flood["refusals"]["with_retry_after_ms"] == flood["refusals"]["count"]
+    assert set(flood["statuses"]) <= {"OK", "RESOURCE_EXHAUSTED", "CANCELLED (the phase ended)"}, flood["statuses"]
+    # 4. every big prompt answered 400 (tokenized, too long) or 429 (over the key's caps); never a 5xx
+    big = phases["big_prompts"]["big_prompts"]
+    assert big["chars"] > 0 and sum(big["statuses"].values()) == big["sent"] > 0
+    assert set(big["statuses"]) <= {"HTTP 400", "HTTP 429"} and big["statuses"].get("HTTP 400", 0) > 0
+    # 5. both streams timed
+    assert phases["lone_bytes"]["lone_byte_ms"] > 0 and phases["lone_bytes"]["ascii_ms"] > 0
+    # 6. the victim hits its own cache; the prober is told nothing
+    probe = phases["cache_probe"]
+    assert probe["victim_cached_tokens"][0] == 0 and probe["victim_cached_tokens"][1] > 0
+    assert probe["prober_cached_tokens"] == 0
+    # 7. bad Authorization headers
+    answers = phases["bad_headers"]["answers"]
+    assert [answers[f"HTTP {name}"] for name in ("not UTF-8", "4 KiB bearer", "empty bearer")] == ["HTTP 401"] * 3
+    assert answers["HTTP past the parser's line limit"] in ("HTTP 400", "HTTP 431")
+    assert answers["gRPC empty bearer"] == answers["gRPC unknown key"] == "UNAUTHENTICATED"
+    assert json.loads((tmp_path / "abuse.json").read_text()) == result and (tmp_path / "abuse.png").stat().st_size > 0

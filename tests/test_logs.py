@@ -195,3 +195,53 @@ def test_lines_carry_request_and_trace_ids_and_the_last_lines_are_written(log_fo
         assert any(line.endswith("INFO ids: no request") for line in lines)
         last = [line.split(": ", 1)[1] for line in lines if ": last " in line]
     assert last == [f"last {i}" for i in range(2000)]
+
+
+_BAD_METADATA = r"""
+import asyncio, socket, struct, sys, grpc
+from serving import logs
+from protos import gateway_pb2, gateway_pb2_grpc
+logs.configure()
+
+class Refuse(gateway_pb2_grpc.GatewayServicer):
+    async def Generate(self, request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong key")
+
+def send(port):  # HTTP/2 by hand: grpcio's clients refuse to send metadata that is not UTF-8
+    sock = socket.create_connection(("127.0.0.1", port))
+    def frame(kind, flags, stream, payload):
+        return struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(">I", stream) + payload
+    def literal(name, value):
+        return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
+    headers = b"".join(literal(n, v) for n, v in [
+        (b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/pdserve.v1.Gateway/Generate"),
+        (b":authority", b"x"), (b"content-type", b"application/grpc"), (b"te", b"trailers"),
+        (b"authorization", b"Bearer \xff\xfeNEARMISSKEY")])
+    body = gateway_pb2.GenerateRequest(prompt="x").SerializeToString()
+    sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0, b"") + frame(1, 4, 1, headers)
+                 + frame(0, 1, 1, b"\x00" + struct.pack(">I", len(body)) + body))
+    sock.settimeout(30)
+    sock.recv(65536)  # the status
+    sock.close()
+
+async def main():
+    server = grpc.aio.server()
+    gateway_pb2_grpc.add_GatewayServicer_to_server(Refuse(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    await asyncio.to_thread(send, port)
+    await server.stop(0)
+    logs.logging.getLogger("check").info("done")
+
+asyncio.run(main())
+"""
+
+
+def test_grpc_metadata_that_is_not_utf8_is_never_logged() -> None:
+    """grpcio logs an undecodable metadata value whole, with a traceback: for a mistyped authorization header, a
+    near-miss API key. The services' logging drops that record."""
+    process = _spawn(_BAD_METADATA)
+    out, err = process.communicate(timeout=WAIT_SECONDS)
+    assert process.returncode == 0, err
+    assert "check: done" in err  # the process logged, and its last line was written
+    assert "NEARMISSKEY" not in err and "Invalid encoding" not in err and "Traceback" not in err
