@@ -127,6 +127,25 @@ def _greedy(prompt: list[int], max_tokens: int) -> gateway_pb2.GenerateRequest:
     return gateway_pb2.GenerateRequest(token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
+async def _read_or_cancel(call: Any, cancel_after: float | None) -> tuple[BaseException | None, int, bool]:
+    """Read `call` to its end, or cancel it after `cancel_after` seconds: (how it ended, None if OK; tokens
+    received; whether it was cancelled here)."""
+    received = 0
+
+    async def read() -> None:
+        nonlocal received
+        async for response in call:
+            received += len(response.token_ids)
+
+    reading = asyncio.ensure_future(read())
+    await asyncio.wait([reading], timeout=cancel_after)
+    cancelled = not reading.done()
+    if cancelled:
+        call.cancel()
+    ended = (await asyncio.gather(reading, return_exceptions=True))[0]
+    return ended, received, cancelled
+
+
 def cancel_storm(model: str, args: argparse.Namespace) -> dict[str, Any]:
     cluster = _cluster(model)
     rng = random.Random(0)
@@ -142,21 +161,11 @@ def cancel_storm(model: str, args: argparse.Namespace) -> dict[str, Any]:
                     nonlocal last_cancel
                     async with limit:
                         call = stub.Generate(_greedy(_prompt(rng, rng.randrange(8, 300)), 64), timeout=120)
-                        received = 0
-
-                        async def read() -> None:
-                            nonlocal received
-                            async for response in call:
-                                received += len(response.token_ids)
-
-                        reading = asyncio.ensure_future(read())
-                        await asyncio.wait([reading], timeout=rng.uniform(0, 1.5))
-                        if reading.done():
+                        _, received, cancelled = await _read_or_cancel(call, rng.uniform(0, 1.5))
+                        if not cancelled:
                             outcomes["finished_first"] += 1
                             return
-                        call.cancel()
                         last_cancel = time.monotonic()
-                        await asyncio.gather(reading, return_exceptions=True)
                         outcomes["cancelled_mid_stream" if received else "cancelled_before_first_token"] += 1
 
                 await asyncio.gather(*(one(i) for i in range(args.cancels)))
@@ -200,20 +209,8 @@ def storm(model: str, args: argparse.Namespace) -> dict[str, Any]:
                     text = f"{index} " + " ".join(rng.choice(_WORDS) for _ in range(words))
                     call = stub.Generate(gateway_pb2.GenerateRequest(prompt=text, max_tokens=64, ignore_eos=True),
                                          timeout=300)
-                    received = 0
-
-                    async def read() -> None:
-                        nonlocal received
-                        async for response in call:
-                            received += len(response.token_ids)
-
-                    reading = asyncio.ensure_future(read())
-                    await asyncio.wait([reading], timeout=cancel_after)
-                    if not reading.done():
-                        call.cancel()
-                    results = await asyncio.gather(reading, return_exceptions=True)
+                    error, received, _ = await _read_or_cancel(call, cancel_after)
                     last_end = time.monotonic()
-                    error = results[0]
                     if error is None:
                         outcome = "finished"
                     elif isinstance(error, asyncio.CancelledError) and cancel_after is not None:

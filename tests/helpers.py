@@ -67,6 +67,15 @@ def start_cluster(model_dir: Path, prefill: int = 1, decode: int = 1, decode_arg
                                colocate_below=colocate_below, gateway_args=gateway_args, tls_dir=tls_dir))
 
 
+def start_keyed_cluster(model_dir: Path, keys: list[str], **kwargs: Any) -> Cluster:
+    """start_cluster with a gateway that requires one of `keys` (PDSERVE_API_KEYS, set for the start only)."""
+    import pytest
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PDSERVE_API_KEYS", ",".join(keys))
+        return start_cluster(model_dir, **kwargs)
+
+
 def worker_infos(cluster: Cluster, prefill: bool = True) -> list[worker_pb2.WorkerInfo]:
     """GetInfo of every decode worker, and of every prefill worker unless `prefill` is False."""
     infos = []

@@ -12,7 +12,7 @@ import pytest
 from pdserve.client import stream
 from pdserve.cluster import Cluster
 from protos import gateway_pb2, gateway_pb2_grpc
-from tests.helpers import assert_nothing_held, start_cluster
+from tests.helpers import assert_nothing_held, start_keyed_cluster
 
 ALICE, BOB = "sk-alice", "sk-bob"
 LONG = {"prompt": "Tell me a story", "max_tokens": 480, "ignore_eos": True, "request_id": "shared"}
@@ -20,9 +20,7 @@ LONG = {"prompt": "Tell me a story", "max_tokens": 480, "ignore_eos": True, "req
 
 @pytest.fixture(scope="module")
 def two_tenants(tiny_model_dir: Path) -> Iterator[Cluster]:
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("PDSERVE_API_KEYS", f"{ALICE},{BOB}")
-        cluster = start_cluster(tiny_model_dir)
+    cluster = start_keyed_cluster(tiny_model_dir, [ALICE, BOB])
     yield cluster
     cluster.stop()
 

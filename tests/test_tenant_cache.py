@@ -19,7 +19,7 @@ from pdserve.client import generate
 from pdserve.cluster import Cluster
 from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, worker_pb2
 from protos.types import SamplingParams
-from tests.helpers import assert_nothing_held, start_cluster
+from tests.helpers import assert_nothing_held, start_keyed_cluster
 
 ALICE, BOB = "sk-alice-cache", "sk-bob-cache"
 BLOCK = 16  # the prefill worker's prefix blocks (its default)
@@ -29,9 +29,7 @@ SYSTEM_TEXT = "You are the support assistant of Example Corp. Never reveal the d
 @pytest.fixture(scope="module")
 def two_tenants(tiny_model_dir: Path) -> Iterator[Cluster]:
     """One prefill worker: every prompt meets the same prefix cache, whichever key sent it."""
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("PDSERVE_API_KEYS", f"{ALICE},{BOB}")
-        cluster = start_cluster(tiny_model_dir)
+    cluster = start_keyed_cluster(tiny_model_dir, [ALICE, BOB])
     yield cluster
     cluster.stop()
 
