@@ -69,6 +69,7 @@ SYSTEM = "You are the support assistant of Example Corp; answer briefly and neve
 STUCK_TTFT_S, STUCK_CUT_S, STUCK_ITL_RATIO, FLOOD_RATIO, BIG_RATIO, LONE_RATIO = 5.0, 120.0, 1.5, 2.0, 2.0, 2.0
 HEADER_LIMIT = 8190  # aiohttp's longest header line: past it the parser refuses the request before any handler
 REQUEST_TIMEOUT_S = 60.0  # a bystander request not done by then failed (DEADLINE_EXCEEDED)
+PROBE_PAUSE_S = 2.0  # before each cache probe: four of the gateway's load polls
 CLEANUP_S = 150.0  # past --phase-timeout, for an attacker's last answers and the drain
 
 
@@ -356,7 +357,8 @@ class Bench:
         self.vocab_size, self.max_model_len, self.tokenizer = vocab_size, max_model_len, tokenizer
         self.phases: dict[str, dict[str, Any]] = {}
         self.checks: list[dict[str, Any]] = []
-        self.bystander: Bystander
+        self.bystander: Bystander  # set by run(), with the session, once the event loop runs
+        self.session: aiohttp.ClientSession
 
     def gateway_metric(self, name: str) -> float:
         return scrape(self.cluster.gateway.metrics).get(name, 0.0)
@@ -429,7 +431,10 @@ class Bench:
             phase["itl_p99_ratio"] = _ratio(phase["itl_p99_ms"], self.phases["alone"].get("itl_p99_ms"))
             self.checks.append(_at_most("stuck", "bystander ITL p99 / alone", phase["itl_p99_ratio"],
                                         STUCK_ITL_RATIO))
-            phase["closed_by_gateway"] = sum(await asyncio.to_thread(lambda: [_closed_by_peer(s) for s in sockets]))
+            held = await asyncio.to_thread(lambda: [_drain_socket(s) for s in sockets])
+            phase["closed_by_gateway"] = sum(closed for closed, _, _ in held)
+            phase["bytes_received"] = [received for _, received, _ in held]
+            phase["streams_complete"] = sum(complete for _, _, complete in held)  # absorbed by the socket's buffers
         finally:
             for sock in sockets:
                 sock.close()
@@ -510,6 +515,9 @@ class Bench:
 
     async def chat_cached(self, key: str, system: str) -> tuple[int | None, int | None]:
         """(cached_tokens, prompt_tokens) of a chat under `key`; (None, None) when it failed."""
+        # The gateway reads the prefill worker's queue every --poll-interval (0.5 s); until it reads the previous
+        # prompt gone, a short prompt is colocated on the decode worker, which has no prefix cache to probe.
+        await asyncio.sleep(PROBE_PAUSE_S)
         body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "Hello"}],
                 "max_tokens": 2, "temperature": 0}
         async with self.session.post(f"http://{self.cluster.gateway.http}/v1/chat/completions", json=body,
@@ -562,17 +570,20 @@ def _stuck_sse(http: str, key: str, max_tokens: int) -> socket.socket:
     return sock
 
 
-def _closed_by_peer(sock: socket.socket) -> bool:
-    """Whether the gateway closed the connection (reading drains what it sent first)."""
+def _drain_socket(sock: socket.socket) -> tuple[bool, int, bool]:
+    """What a stuck socket holds: whether the gateway closed the connection, the bytes it had sent, and whether
+    they end the stream ([DONE]: it was never cut)."""
     sock.settimeout(1.0)
+    received, tail, closed = 0, b"", False
     try:
-        while sock.recv(1 << 16):
-            pass
-        return True
+        while data := sock.recv(1 << 16):
+            received, tail = received + len(data), (tail + data)[-64:]
+        closed = True
     except (ConnectionResetError, BrokenPipeError):
-        return True
+        closed = True
     except TimeoutError:
-        return False
+        pass
+    return closed, received, b"data: [DONE]" in tail
 
 
 async def _raw_status(http: str, data: bytes) -> str:
@@ -719,6 +730,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     names = [f"{c['phase']}: {c['name']}" for c in numeric]
     shares = [c["value"] / c["limit"] for c in numeric]
     share.barh(names, shares, color=["tab:green" if c["ok"] else "tab:red" for c in numeric])
+    share.set_xscale("log")  # a figure 100x over its target beside one at half of it
     share.axvline(1.0, color="black", linestyle="--")
     share.invert_yaxis()
     share.set_xlabel("figure / target (1 = the target)")

@@ -158,7 +158,7 @@ def test_bench_abuse_runs_every_phase_and_the_defences_hold(long_tiny_model_dir:
     gets a 5xx, another key is told nothing of the victim's cached prompt, bad keys get 401 / UNAUTHENTICATED."""
     done = subprocess.run([*PDSERVE, "bench", "abuse", "--model", str(long_tiny_model_dir), "--stuck", "2",
                            "--rounds", "3", "--alone", "3", "--tokens", "16", "--client-stall-timeout", "5",
-                           "--phase-timeout", "60", "--json", "--out", str(tmp_path)],
+                           "--phase-timeout", "120", "--json", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=900)
     result = json.loads(done.stdout)
     assert done.returncode == (0 if result["verdict"]["ok"] else 1), done.stderr[-2000:]
@@ -172,7 +172,7 @@ def test_bench_abuse_runs_every_phase_and_the_defences_hold(long_tiny_model_dir:
     # 2. both stuck readers cut while their sockets were open; the gateway closed them; nothing held
     stuck = phases["stuck"]
     assert stuck["stalls_counted"] >= 2 and stuck["live_requests"] == 0 and stuck["all_cut_s"] is not None
-    assert stuck["closed_by_gateway"] == 2
+    assert stuck["closed_by_gateway"] == 2 and stuck["streams_complete"] == 0  # cut: none got its whole stream
     assert phases["alone"]["bystander_failures"] == stuck["bystander_failures"] == []
     for phase in ("stuck", "flood", "big_prompts"):
         assert phases[phase]["held"] == {} and phases[phase]["drained_s"] is not None, phase
