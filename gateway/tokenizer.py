@@ -53,7 +53,7 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """The text's token ids, with the special tokens the model adds to every input (a BOS, for some)."""
-        return self.backend.encode(text).ids
+        return _ids(self.backend, text, add_special_tokens=True)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -69,7 +69,14 @@ class Tokenizer:
             raise ValueError("this model's tokenizer has no chat template")
         text = self._template.render(messages=turns, tools=None, documents=None,
                                      add_generation_prompt=add_generation_prompt, **self.special_tokens)
-        return self.backend.encode(text, add_special_tokens=False).ids if tokenize else text
+        return _ids(self.backend, text, add_special_tokens=False) if tokenize else text
+
+
+def _ids(backend: tokenizers.Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """The text's ids by the batch call, which releases the GIL while it works (`encode` holds it: a 660,000-character
+    prompt tokenized in a thread stopped the gateway's event loop 0.67 s); the fast one skips the offsets, which
+    nobody reads, at half the time."""
+    return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 def _content(token: str | dict[str, Any]) -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import jinja2
@@ -106,3 +108,30 @@ def test_a_template_that_refuses_raises_template_error(default_model_dir: Path, 
 def test_a_directory_without_tokenizer_json_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no tokenizer.json"):
         Tokenizer.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_tokenizing_a_long_text_lets_other_threads_run(pair, chat: bool) -> None:
+    """Tokenizing runs in a thread beside the gateway's event loop, so it must release the GIL while it works (the
+    library's `encode` holds it: a 660,000-character prompt stopped the loop 0.67 s). Counted, not timed: how often
+    this thread wakes from a 1 ms sleep while the other tokenizes; holding the GIL, it wakes at most a few times."""
+    ours, _ = pair
+    text = " ".join(f"word{i % 997} tail{i % 13}" for i in range(60_000))  # ~850,000 characters
+    started, done, woke = threading.Event(), threading.Event(), 0
+
+    def tokenize() -> None:
+        started.set()
+        if chat:
+            ours.apply_chat_template([{"role": "user", "content": text}])
+        else:
+            ours.encode(text)
+        done.set()
+
+    worker = threading.Thread(target=tokenize)
+    worker.start()
+    started.wait()
+    while not done.is_set():
+        time.sleep(0.001)
+        woke += 1
+    worker.join()
+    assert woke >= 20, f"this thread woke {woke} times while the other tokenized: the GIL was held"
