@@ -229,6 +229,21 @@ class GatewayConfig:
 _CANCEL_CALL = "request was cancelled by a Cancel call"  # the message a Cancel call cancels a handler's task with
 
 
+async def _write_within(context: grpc.aio.ServicerContext, response: gateway_pb2.GenerateResponse,
+                        stall_s: float) -> None:
+    """context.write(response); ClientStalled, with the write still pending, once the client has left it unread for
+    `stall_s`. A cancel of the caller (the client's own cancel or disconnect) cancels the write, as it always did."""
+    write = asyncio.ensure_future(context.write(response))
+    try:
+        done, _ = await asyncio.wait({write}, timeout=stall_s)
+    except asyncio.CancelledError:
+        write.cancel()
+        raise
+    if not done:
+        raise ClientStalled(stall_s, pending=write)
+    write.result()
+
+
 class _CancelCall(Exception):
     """A Cancel call that waited for the handler's write to finish (Gateway.Generate)."""
 
@@ -320,10 +335,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 async for response in responses:
                     self._writing[task] = False
                     try:
-                        async with asyncio.timeout(self.client_stall_timeout_s):
-                            await context.write(response)
-                    except TimeoutError:
-                        raise ClientStalled(self.client_stall_timeout_s) from None
+                        await _write_within(context, response, self.client_stall_timeout_s)
                     finally:
                         cancel_deferred = self._writing.pop(task)
                     if cancel_deferred:
@@ -334,8 +346,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except ClientStalled as exc:  # the stream above is closed: its place and worker calls are freed already
             self.metrics.count("pdserve_client_stalls")
             log.warning("%s (%s)", exc, context.peer())
-            # The stalled write stays pending in gRPC core, so this status waits until the client reads or its
-            # connection ends (keepalive pings close a peer that reads nothing); the handler holds nothing else.
+            # The stalled write is left pending (cancelled, gRPC core would refuse any status after it), so the
+            # status follows once the client reads again; if it never does, its connection's end (keepalive pings
+            # close a peer that answers nothing) ends this wait. Meanwhile the handler holds one response.
+            if exc.pending is not None:
+                try:
+                    await exc.pending
+                except Exception as ended:  # noqa: BLE001 - the call ended under the write: no one awaits a status
+                    log.debug("a stalled stream's write ended with %r", ended)
+                    return
             await context.abort(grpc.StatusCode.CANCELLED, str(exc))
         except _CancelCall:  # the stream above is closed (and counted): its worker calls are cancelled
             log.info("ended with CANCELLED: %s, once its write was done", _CANCEL_CALL)

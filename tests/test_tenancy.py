@@ -92,7 +92,7 @@ def test_sse_readers_that_never_read_are_cut_and_free_everything_while_their_soc
 # so the gateway's first response waits for a WINDOW_UPDATE that never comes. Runs as its own process: it keeps its
 # socket open until killed.
 _RAW_GRPC_CLIENT = r"""
-import socket, struct, sys
+import socket, struct, sys, time
 from protos import gateway_pb2
 host, port = sys.argv[1].rsplit(":", 1)
 sock = socket.create_connection((host, int(port)))
@@ -109,7 +109,33 @@ message = b"\x00" + struct.pack(">I", len(request)) + request
 sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0, settings) + frame(1, 4, 1, headers)
              + frame(0, 1, 1, message))
 print("sent", flush=True)
-sys.stdin.read()  # until the test ends: never read the socket
+if sys.stdin.readline().strip() != "resume":  # until told: never read the socket
+    sys.exit()
+# Read again: open both windows wide, then read frames until stream 1 ends (ACKing the gateway's pings meanwhile).
+sock.sendall(frame(8, 0, 0, struct.pack(">I", 1 << 30)) + frame(8, 0, 1, struct.pack(">I", 1 << 30)))
+sock.settimeout(30)
+deadline = time.monotonic() + 30  # the status follows at once (a gateway that cancelled the write sent it ~60 s late)
+def exactly(n):
+    data = b""
+    while len(data) < n:
+        more = sock.recv(n - len(data))
+        if not more:
+            raise EOFError
+        data += more
+    return data
+try:
+    while True:
+        head = exactly(9)
+        length, kind, flags, stream = int.from_bytes(head[:3], "big"), head[3], head[4], struct.unpack(">I", head[5:])[0] & 0x7FFFFFFF
+        payload = exactly(length)
+        if kind == 6 and not flags & 1:
+            sock.sendall(frame(6, 1, 0, payload))
+        if stream == 1 and kind == 3:
+            print("reset", flush=True); break
+        if stream == 1 and kind == 1 and flags & 1:
+            print("trailers" if time.monotonic() < deadline else "late trailers", flush=True); break
+except (EOFError, OSError):
+    print("closed", flush=True)
 """
 
 
@@ -127,6 +153,28 @@ def test_a_grpc_stream_whose_window_never_opens_is_cut_and_frees_its_place(stall
                    timeout_s=30)
         assert_nothing_held(stall_cluster, within_s=10)
         assert generate(stall_cluster.gateway.address, timeout=60, prompt="Hi", max_tokens=2).finish_reason
+    finally:
+        client.kill()
+        client.wait()
+
+
+def test_a_grpc_client_that_reads_again_after_its_cut_gets_its_status(stall_cluster: Cluster) -> None:
+    """Cut as stalled, the stream's place is freed at once; when the client reads again it gets the response that
+    waited and then the call's status (trailers), never a call left open with no end."""
+    stalls = _metric(stall_cluster, "pdserve_client_stalls_total")
+    root = Path(__file__).resolve().parents[1]
+    client = subprocess.Popen([sys.executable, "-c", _RAW_GRPC_CLIENT, stall_cluster.gateway.address], cwd=root,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert client.stdin is not None and client.stdout is not None
+        assert client.stdout.readline().strip() == "sent"
+        wait_until(lambda: _metric(stall_cluster, "pdserve_client_stalls_total") >= stalls + 1,
+                   "the raw gRPC stream cut", timeout_s=60)
+        wait_until(lambda: not any(live_gauges(stall_cluster).values()), lambda: f"gauges {live_gauges(stall_cluster)}",
+                   timeout_s=30)
+        client.stdin.write("resume\n")
+        client.stdin.flush()
+        assert client.stdout.readline().strip() == "trailers"
     finally:
         client.kill()
         client.wait()
