@@ -149,6 +149,8 @@ def test_bench_hostile_runs_the_corpus_beside_a_bystander_and_drains(tiny_model_
             assert stats["itl_p50_ms"] <= stats["itl_p99_ms"] <= stats["itl_max_ms"]
         else:
             assert stats["itl_p99_ms"] is None and result["bystander"]["p99_ratio"].get(side) is None
+            assert result["bystander"]["max_ratio"].get(side) is None
+    assert "max_ratio_beside_whole_corpus_within_target" in verdict
     assert (tmp_path / "hostile.json").exists()
 
 
