@@ -177,6 +177,19 @@ class _UndecodableMetadata(logging.Filter):
         return record.msg != "Invalid encoding on %s"
 
 
+class _MalformedHttpRequest(logging.Filter):
+    """aiohttp logs a request its parser refuses (a header line past 8,190 bytes, say) at ERROR, with a traceback
+    whose message quotes the start of the offending line: for an oversized `Authorization`, the start of a key.
+    The client is answered 400 by aiohttp all the same; the record becomes one warning naming the error's kind."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None and any(kind.__name__ == "BadHttpMessage" for kind in type(exc).__mro__):
+            record.msg, record.args = "refused a malformed HTTP request (%s)", (type(exc).__name__,)
+            record.levelno, record.levelname, record.exc_info, record.exc_text = logging.WARNING, "WARNING", None, None
+        return True
+
+
 def configure() -> None:
     """Root logging for a service process, as PDSERVE_LOG_LEVEL and PDSERVE_LOG_FORMAT say: lines queued, and
     written to stderr by a thread of their own."""
@@ -199,6 +212,9 @@ def configure() -> None:
     cygrpc = logging.getLogger("grpc._cython.cygrpc")
     if not any(isinstance(f, _UndecodableMetadata) for f in cygrpc.filters):
         cygrpc.addFilter(_UndecodableMetadata())
+    aiohttp_server = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _MalformedHttpRequest) for f in aiohttp_server.filters):
+        aiohttp_server.addFilter(_MalformedHttpRequest())
 
 
 atexit.register(_stop_listener)  # after logging's own exit hook is registered, so it runs before it

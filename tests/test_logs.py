@@ -245,3 +245,39 @@ def test_grpc_metadata_that_is_not_utf8_is_never_logged() -> None:
     assert process.returncode == 0, err
     assert "check: done" in err  # the process logged, and its last line was written
     assert "NEARMISSKEY" not in err and "Invalid encoding" not in err and "Traceback" not in err
+
+
+_LONG_HEADER = r"""
+import asyncio
+from aiohttp import web
+from serving import logs
+logs.configure()
+
+async def main():
+    app = web.Application()
+    app.router.add_get("/", lambda request: web.Response(text="hi"))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer NEARMISSKEY" + b"k" * 9000 + b"\r\n\r\n")
+    print((await reader.readline()).decode().strip(), flush=True)
+    writer.close()
+    await runner.cleanup()
+    logs.logging.getLogger("check").info("done")
+
+asyncio.run(main())
+"""
+
+
+def test_an_http_header_past_the_parser_limit_is_refused_and_never_logged() -> None:
+    """aiohttp logs a header line past its limit at ERROR, quoting the line's start: for an Authorization header,
+    the start of a key. The services log one warning instead, and the client still gets its 400."""
+    process = _spawn(_LONG_HEADER)
+    out, err = process.communicate(timeout=WAIT_SECONDS)
+    assert process.returncode == 0, err
+    assert out.startswith("HTTP/1.") and " 400 " in out
+    assert "check: done" in err and "refused a malformed HTTP request (LineTooLong)" in err
+    assert "NEARMISSKEY" not in err and "Traceback" not in err and "ERROR" not in err
