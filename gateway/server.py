@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import sys
 import time
@@ -244,6 +245,25 @@ async def _write_within(context: grpc.aio.ServicerContext, response: gateway_pb2
     write.result()
 
 
+class _SampledLog:
+    """One line per `every_s` at most, standing for the lines it held back: a client flooding past its cap is
+    refused hundreds of times a second, and a line each would cost the event loop and drown everyone's log (the
+    refusals are counted in full by pdserve_rejections_total)."""
+
+    def __init__(self, what: str, every_s: float = 1.0) -> None:
+        self.what, self.every_s = what, every_s
+        self._last, self._held = -math.inf, 0
+
+    def log(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            self._held += 1
+            return
+        held = f" (and {self._held} more since the last such line)" if self._held else ""
+        log.info("ended with %s: %s%s", self.what, message, held)
+        self._last, self._held = now, 0
+
+
 class _CancelCall(Exception):
     """A Cancel call that waited for the handler's write to finish (Gateway.Generate)."""
 
@@ -291,6 +311,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._cancelled: set[tuple[str, str]] = set()  # ids that Cancel ended
         # Generate handlers inside context.write -> whether a Cancel is waiting for that write to finish
         self._writing: dict[asyncio.Task, bool] = {}
+        self._refusals = _SampledLog("RESOURCE_EXHAUSTED")
         self.metrics = Metrics(
             gauges={"pdserve_live_requests": ("requests in flight at the gateway, queued ones included",
                                               lambda: self._live),
@@ -417,7 +438,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             except GatewayError as exc:
                 cancelled = exc.code == grpc.StatusCode.CANCELLED  # by a Cancel call
                 span.set_status(trace.Status(trace.StatusCode.ERROR, f"{exc.code.name}: {exc.message}"))
-                log.info("ended with %s: %s", exc.code.name, exc.message)
+                if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    self._refusals.log(exc.message)
+                else:
+                    log.info("ended with %s: %s", exc.code.name, exc.message)
                 raise
             finally:
                 span.set_attribute("pdserve.output_tokens", generated)

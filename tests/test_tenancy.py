@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -126,7 +127,8 @@ def exactly(n):
 try:
     while True:
         head = exactly(9)
-        length, kind, flags, stream = int.from_bytes(head[:3], "big"), head[3], head[4], struct.unpack(">I", head[5:])[0] & 0x7FFFFFFF
+        length, kind, flags = int.from_bytes(head[:3], "big"), head[3], head[4]
+        stream = struct.unpack(">I", head[5:])[0] & 0x7FFFFFFF
         payload = exactly(length)
         if kind == 6 and not flags & 1:
             sock.sendall(frame(6, 1, 0, payload))
@@ -401,3 +403,18 @@ def test_a_tokenizing_job_whose_deadline_passed_is_dropped_unrun() -> None:
 
     asyncio.run(scenario())
     assert ran == []
+
+
+def test_refusals_for_capacity_are_logged_once_a_second_with_how_many_they_stand_for(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A client flooding past its cap is refused hundreds of times a second: one line stands for them all."""
+    from gateway.server import _SampledLog
+    sampled = _SampledLog("RESOURCE_EXHAUSTED", every_s=3600)
+    with caplog.at_level(logging.INFO, logger="gateway.server"):
+        for _ in range(500):
+            sampled.log("over its cap")
+        sampled._last -= 3600  # an hour on
+        sampled.log("over its cap")
+    lines = [record.getMessage() for record in caplog.records]
+    assert lines == ["ended with RESOURCE_EXHAUSTED: over its cap",
+                     "ended with RESOURCE_EXHAUSTED: over its cap (and 499 more since the last such line)"]
