@@ -34,13 +34,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import fcntl
 import multiprocessing
 import os
 import queue
 import random
 import socket
+import struct
 import sys
 import tempfile
+import termios
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -78,6 +81,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stuck", type=int, default=16, help="SSE sockets that never read (default: %(default)s)")
     parser.add_argument("--stuck-tokens", type=int, default=4000,
                         help="tokens each stuck socket asks for (default: %(default)s)")
+    parser.add_argument("--stuck-rcvbuf", type=int, default=0, metavar="BYTES",
+                        help="each stuck socket's SO_RCVBUF, fixed (default: 0, the system's, which Linux grows "
+                        "while the socket is never read)")
     parser.add_argument("--tokens", type=int, default=200, help="tokens per bystander stream (default: %(default)s)")
     parser.add_argument("--alone", type=int, default=10,
                         help="bystander requests alone, for its reference TTFT (default: %(default)s)")
@@ -410,7 +416,7 @@ class Bench:
         stalls = await asyncio.to_thread(self.gateway_metric, "pdserve_client_stalls_total")
         opened = time.monotonic()
         sockets = [await asyncio.to_thread(_stuck_sse, self.cluster.gateway.http, f"stuck-{i}",
-                                           self.args.stuck_tokens) for i in range(n)]
+                                           self.args.stuck_tokens, self.args.stuck_rcvbuf) for i in range(n)]
         try:
             ttft = await self.bystander.ttft()
             phase["bystander_ttft_s"] = None if ttft is None else round(ttft, 3)
@@ -423,9 +429,14 @@ class Bench:
                 phase["live_requests"] = samples.get("pdserve_live_requests", 0.0)
                 if phase["stalls_counted"] >= n and not phase["live_requests"]:
                     cut_s = round(time.monotonic() - opened, 2)
+                elif not phase["live_requests"]:  # every stream ended whole in its socket's buffers: none to cut
+                    break
                 else:
                     await asyncio.sleep(0.25)
             phase["all_cut_s"] = cut_s
+            # what each socket's kernel holds unread, and its receive buffer by then (read without reading them)
+            phase["unread_bytes"] = [_unread(sock) for sock in sockets]
+            phase["receive_buffers"] = [sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) for sock in sockets]
             self.checks.append(_at_most("stuck", f"all {n} cut and freed, sockets open", cut_s, STUCK_CUT_S, " s"))
             phase.update(_itl_figures(await self.bystander.gaps(self.args.tokens)))
             phase["itl_p99_ratio"] = _ratio(phase["itl_p99_ms"], self.phases["alone"].get("itl_p99_ms"))
@@ -559,15 +570,25 @@ class Bench:
         return "OK"
 
 
-def _stuck_sse(http: str, key: str, max_tokens: int) -> socket.socket:
-    """A streaming completion whose client never reads a byte; its socket keeps the system's default buffers."""
+def _stuck_sse(http: str, key: str, max_tokens: int, rcvbuf: int = 0) -> socket.socket:
+    """A streaming completion whose client never reads a byte; its socket keeps the system's default buffers
+    unless `rcvbuf` fixes its receive buffer."""
     host, port = http.rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    if rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)  # before connecting: it sets the window scale
+    sock.settimeout(30)
+    sock.connect((host.strip("[]"), int(port)))
     body = (b'{"prompt": "Once upon a time", "stream": true, "ignore_eos": true, "temperature": 0, "max_tokens": %d}'
             % max_tokens)
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: "
                  b"Bearer %s\r\nContent-Length: %d\r\n\r\n%s" % (key.encode(), len(body), body))
     return sock
+
+
+def _unread(sock: socket.socket) -> int:
+    """The bytes the socket's kernel has received and the client not read (FIONREAD)."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
 
 
 def _drain_socket(sock: socket.socket) -> tuple[bool, int, bool]:
@@ -666,6 +687,7 @@ def _report(args: argparse.Namespace, bench: Bench) -> dict[str, Any]:
     failed = [f"{c['phase']}: {c['name']}" for c in bench.checks if not c["ok"]]
     return {
         "config": {"model": str(args.model), "stuck": args.stuck, "stuck_tokens": args.stuck_tokens,
+                   "stuck_rcvbuf": args.stuck_rcvbuf,
                    "tokens": args.tokens, "alone": args.alone, "rounds": args.rounds,
                    "client_stall_timeout_s": args.client_stall_timeout, "phase_timeout_s": args.phase_timeout,
                    "per_client_caps": PER_CLIENT, "flood_streams": FLOOD, "big_prompts_per_s": BIG_PER_S,

@@ -159,8 +159,8 @@ def test_bench_abuse_runs_every_phase_and_the_defences_hold(long_tiny_model_dir:
     sockets are open and everything they held is freed, the flooder is refused with a retry hint, no big prompt
     gets a 5xx, another key is told nothing of the victim's cached prompt, bad keys get 401 / UNAUTHENTICATED."""
     done = subprocess.run([*PDSERVE, "bench", "abuse", "--model", str(long_tiny_model_dir), "--stuck", "2",
-                           "--rounds", "3", "--alone", "3", "--tokens", "16", "--client-stall-timeout", "5",
-                           "--phase-timeout", "120", "--json", "--out", str(tmp_path)],
+                           "--stuck-rcvbuf", "4096", "--rounds", "3", "--alone", "3", "--tokens", "16",
+                           "--client-stall-timeout", "5", "--phase-timeout", "120", "--json", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=900)
     result = json.loads(done.stdout)
     assert done.returncode == (0 if result["verdict"]["ok"] else 1), done.stderr[-2000:]
@@ -173,6 +173,7 @@ def test_bench_abuse_runs_every_phase_and_the_defences_hold(long_tiny_model_dir:
     assert phases["alone"]["requests"] == 3 and phases["alone"]["ttft_p50_ms"] <= phases["alone"]["ttft_p99_ms"]
     # 2. both stuck readers cut while their sockets were open; the gateway closed them; nothing held
     stuck = phases["stuck"]
+    assert len(stuck["unread_bytes"]) == len(stuck["receive_buffers"]) == 2 and min(stuck["unread_bytes"]) > 0
     assert stuck["stalls_counted"] >= 2 and stuck["live_requests"] == 0 and stuck["all_cut_s"] is not None
     assert stuck["closed_by_gateway"] == 2 and stuck["streams_complete"] == 0  # cut: none got its whole stream
     assert phases["alone"]["bystander_failures"] == stuck["bystander_failures"] == []
