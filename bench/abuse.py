@@ -422,16 +422,17 @@ class Bench:
             phase["bystander_ttft_s"] = None if ttft is None else round(ttft, 3)
             self.checks.append(_at_most("stuck", "bystander TTFT beside them", phase["bystander_ttft_s"],
                                         STUCK_TTFT_S, " s"))
-            cut_s = None
+            cut_s, seen_live = None, False
             while cut_s is None and time.monotonic() < opened + self.args.phase_timeout:
                 samples = await asyncio.to_thread(scrape, self.cluster.gateway.metrics)
                 phase["stalls_counted"] = samples.get("pdserve_client_stalls_total", 0.0) - stalls
                 phase["live_requests"] = samples.get("pdserve_live_requests", 0.0)
                 if phase["stalls_counted"] >= n and not phase["live_requests"]:
                     cut_s = round(time.monotonic() - opened, 2)
-                elif not phase["live_requests"]:  # every stream ended whole in its socket's buffers: none to cut
+                elif seen_live and not phase["live_requests"]:  # every stream ended whole in its socket's buffers
                     break
                 else:
+                    seen_live = seen_live or bool(phase["live_requests"])
                     await asyncio.sleep(0.25)
             phase["all_cut_s"] = cut_s
             # what each socket's kernel holds unread, and its receive buffer by then (read without reading them)

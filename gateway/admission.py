@@ -16,7 +16,7 @@ import asyncio
 import collections
 import contextlib
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 
@@ -53,6 +53,7 @@ class Admission:
         self.config = config
         self.running = 0
         self._running_by: collections.Counter[str] = collections.Counter()
+        self._held_by: collections.Counter[str] = collections.Counter()  # calls cut but still open (holding())
         self._waiting: dict[str, collections.deque[_Waiter]] = {}  # client -> its waiters, oldest first
         self._queued = 0
         self._arrivals = itertools.count()
@@ -62,8 +63,8 @@ class Admission:
         return self._queued
 
     def held_by(self, client: str) -> int:
-        """The client's requests running or queued."""
-        return self._running_by[client] + len(self._waiting.get(client, ()))
+        """The client's requests running or queued, and its cut calls still open."""
+        return self._running_by[client] + self._held_by[client] + len(self._waiting.get(client, ()))
 
     @property
     def retry_after_ms(self) -> int:
@@ -80,9 +81,23 @@ class Admission:
         finally:
             self._leave(client)
 
+    @contextlib.contextmanager
+    def holding(self, client: str) -> Iterator[None]:
+        """For the body, one of the client's places under --max-in-flight-per-client, but none of the gateway's
+        --max-in-flight: a call that was cut but stays open (its client stopped reading) costs its own client, not
+        everyone's share."""
+        self._held_by[client] += 1
+        try:
+            yield
+        finally:
+            self._held_by[client] -= 1
+            if not self._held_by[client]:
+                del self._held_by[client]
+            self._dispatch()
+
     def _under_cap(self, client: str) -> bool:
         cap = self.config.max_in_flight_per_client
-        return not cap or self._running_by[client] < cap
+        return not cap or self._running_by[client] + self._held_by[client] < cap
 
     async def _enter(self, deadline: float | None, client: str) -> None:
         config = self.config

@@ -9,8 +9,6 @@ from typing import TYPE_CHECKING
 import grpc
 
 if TYPE_CHECKING:
-    import asyncio
-
     from gateway.workers import Worker
 
 
@@ -49,8 +47,7 @@ DEFAULT_CLIENT_STALL_TIMEOUT_S = 20.0
 
 class ClientStalled(Exception):
     """The client left a write of its stream undrained for the stall timeout: the request is cut, everything it held
-    freed, and its transport closed (HTTP) or its call ended (gRPC)."""
+    freed, and its transport closed (HTTP) or its status sent once the client reads again (gRPC)."""
 
-    def __init__(self, timeout_s: float, pending: asyncio.Future[None] | None = None) -> None:
+    def __init__(self, timeout_s: float) -> None:
         super().__init__(f"the client read nothing for {timeout_s:g} s: request cut (--client-stall-timeout)")
-        self.pending = pending  # gRPC: the write still waiting for the client (cancelling it would lose the status)

@@ -231,24 +231,48 @@ _CANCEL_CALL = "request was cancelled by a Cancel call"  # the message a Cancel 
 
 
 async def _write_within(context: grpc.aio.ServicerContext, response: gateway_pb2.GenerateResponse,
-                        stall_s: float) -> None:
-    """context.write(response); ClientStalled, with the write still pending, once the client has left it unread for
-    `stall_s`. A cancel of the caller (the client's own cancel or disconnect) cancels the write, as it always did."""
+                        stall_s: float, stalled: list[asyncio.Future[None]]) -> None:
+    """context.write(response); ClientStalled once the client has left it unread for `stall_s`, the write left
+    pending and put in `stalled`. A cancel of the caller (the client's own cancel or disconnect) cancels the
+    write, as it always did."""
     write = asyncio.ensure_future(context.write(response))
+    write.add_done_callback(_retrieved)
     try:
         done, _ = await asyncio.wait({write}, timeout=stall_s)
     except asyncio.CancelledError:
         write.cancel()
         raise
     if not done:
-        raise ClientStalled(stall_s, pending=write)
+        stalled.append(write)
+        raise ClientStalled(stall_s)
     write.result()
+
+
+def _retrieved(write: asyncio.Future[None]) -> None:
+    """Reads a finished write's exception, so that one nobody awaited (the call ended as its handler was
+    cancelled) is not logged as never retrieved."""
+    if not write.cancelled():
+        write.exception()
+
+
+async def _settled(stalled: list[asyncio.Future[None]]) -> bool:
+    """Waits for a stalled write, if there is one; whether the call can still take a status (False: the call
+    ended under the write, and nobody waits for one)."""
+    if not stalled:
+        return True
+    try:
+        await stalled[0]
+    except Exception as ended:  # noqa: BLE001
+        log.debug("a stalled stream's write ended with %r", ended)
+        return False
+    return True
 
 
 class _SampledLog:
     """One line per `every_s` at most, standing for the lines it held back: a client flooding past its cap is
     refused hundreds of times a second, and a line each would cost the event loop and drown everyone's log (the
-    refusals are counted in full by pdserve_rejections_total)."""
+    refusals are counted in full by pdserve_rejections_total). The count of a burst's last second comes with the
+    next refusal's line, whenever that is."""
 
     def __init__(self, what: str, every_s: float = 1.0) -> None:
         self.what, self.every_s = what, every_s
@@ -350,35 +374,40 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
         task = asyncio.current_task()
         assert task is not None
+        peer = _peer_host(context.peer())
+        stalled: list[asyncio.Future[None]] = []  # the write a stall left pending: any status must wait for it
         try:
-            responses = self.stream(request, deadline, metadata, peer=_peer_host(context.peer()))
+            responses = self.stream(request, deadline, metadata, peer=peer)
             async with contextlib.aclosing(responses):
                 async for response in responses:
                     self._writing[task] = False
                     try:
-                        await _write_within(context, response, self.client_stall_timeout_s)
+                        await _write_within(context, response, self.client_stall_timeout_s, stalled)
                     finally:
                         cancel_deferred = self._writing.pop(task)
                     if cancel_deferred:
                         raise _CancelCall
         except GatewayError as exc:
+            if not await _settled(stalled):
+                return
             hint = (("retry-after-ms", str(exc.retry_after_ms)),) if exc.retry_after_ms else ()
             await context.abort(exc.code, exc.message, trailing_metadata=hint)
         except ClientStalled as exc:  # the stream above is closed: its place and worker calls are freed already
             self.metrics.count("pdserve_client_stalls")
             log.warning("%s (%s)", exc, context.peer())
             # The stalled write is left pending (cancelled, gRPC core would refuse any status after it), so the
-            # status follows once the client reads again; if it never does, its connection's end (keepalive pings
-            # close a peer that answers nothing) ends this wait. Meanwhile the handler holds one response.
-            if exc.pending is not None:
-                try:
-                    await exc.pending
-                except Exception as ended:  # noqa: BLE001 - the call ended under the write: no one awaits a status
-                    log.debug("a stalled stream's write ended with %r", ended)
+            # status follows once the client reads again; if it never does, the call stays open until its
+            # connection ends (keepalive closes a peer that answers no ping), holding one response and one of
+            # grpc's --max-concurrent-rpcs. Until then it counts against its client's --max-in-flight-per-client,
+            # so that one client cannot pile up such calls past its share.
+            with self.admission.holding(self.keys.tenant(metadata) or peer):
+                if not await _settled(stalled):
                     return
             await context.abort(grpc.StatusCode.CANCELLED, str(exc))
         except _CancelCall:  # the stream above is closed (and counted): its worker calls are cancelled
             log.info("ended with CANCELLED: %s, once its write was done", _CANCEL_CALL)
+            if not await _settled(stalled):
+                return
             await context.abort(grpc.StatusCode.CANCELLED, _CANCEL_CALL)
         except asyncio.CancelledError:
             # Only the client's own cancel, disconnect or deadline (grpc.aio cancels this task for them) may leave
@@ -386,6 +415,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if task.cancelling():
                 raise
             # not this task's cancel: a worker call cancelled under it that the journey did not catch
+            if not await _settled(stalled):
+                return
             await context.abort(grpc.StatusCode.UNAVAILABLE, "a worker call was cancelled under the request")
 
     async def stream(

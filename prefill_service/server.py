@@ -384,21 +384,25 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self.metrics.count("pdserve_prefix_cache_hits", cached)
 
     async def _renew_lease(self, request: prefill_pb2.PrefillRequest, push: _KVPush, result: asyncio.Future) -> None:
-        """Step 2's wait may outlast decode's lease: renew it every third of a lease until the KV stream opens (its
-        messages renew it then), while the engine moves. A frozen or stuck worker (past the watchdog's --stall-s)
-        stops renewing, so the lease still ends when no KV can come."""
+        """Step 2's wait may outlast decode's lease: renew it at once (the lease began at decode's reservation,
+        before this call reached prefill) and then every third of a lease until the KV stream opens (its messages
+        renew it then), while the engine moves. A frozen or stuck worker (past the watchdog's --stall-s) stops
+        renewing, so the lease still ends when no KV can come."""
         period = request.lease_ms / 3e3
         renewal = decode_pb2.LeaseRenewal(request_id=request.request_id, reservation_token=request.reservation_token)
         stub = decode_pb2_grpc.DecodeStub(self._channels.acquire(request.decode_address))
         try:
+            first = True
             while True:
-                await asyncio.sleep(period)
+                if not first:
+                    await asyncio.sleep(period)
+                first = False
                 if result.done() or push.call is not None:
                     return
                 if self.engine.stalled() > self.config.server.stall_s:
                     continue
-                try:
-                    await stub.RenewLease(renewal, timeout=period)
+                try:  # a renewal that lands late still extends the lease: wait for it up to a whole lease
+                    await stub.RenewLease(renewal, timeout=request.lease_ms / 1e3)
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION):
                         return  # released or expired: decode fails the request, and the gateway cancels this call

@@ -180,14 +180,18 @@ class _UndecodableMetadata(logging.Filter):
 class _MalformedHttpRequest(logging.Filter):
     """aiohttp logs a request its parser refuses (a header line past 8,190 bytes, say) at ERROR, with a traceback
     whose message quotes the start of the offending line: for an oversized `Authorization`, the start of a key.
-    The client is answered 400 by aiohttp all the same; the record becomes one warning naming the error's kind."""
+    aiohttp answers the client with the error's status all the same; the record becomes one warning naming the
+    error's kind and the peer (written only where the logger's level lets warnings through)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if exc is not None and any(kind.__name__ == "BadHttpMessage" for kind in type(exc).__mro__):
-            record.msg, record.args = "refused a malformed HTTP request (%s)", (type(exc).__name__,)
-            record.levelno, record.levelname, record.exc_info, record.exc_text = logging.WARNING, "WARNING", None, None
-        return True
+        if record.levelno < logging.ERROR or exc is None or not any(
+                kind.__name__ == "BadHttpMessage" for kind in type(exc).__mro__):
+            return True
+        peer = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+        record.msg, record.args = "refused a malformed HTTP request from %s (%s)", (peer, type(exc).__name__)
+        record.levelno, record.levelname, record.exc_info, record.exc_text = logging.WARNING, "WARNING", None, None
+        return logging.getLogger(record.name).isEnabledFor(logging.WARNING)
 
 
 def configure() -> None:

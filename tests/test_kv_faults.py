@@ -91,7 +91,7 @@ def test_segments_of_a_killed_decode_worker_are_removed_when_the_next_one_starts
         successor = spawn_service("decode", "decode_service", ["--host", "127.0.0.1", "--port", "0", "--threads",
                                                                "1", "--model", str(tiny_model_dir)])
         try:
-            wait_ready([successor], 120)
+            wait_ready([successor], 180)  # as start_cluster: kernel loads took 30-47 s each on a loaded machine
             assert not any(s.exists() for s in segments)
         finally:
             stop_all([successor], grace_s=10)

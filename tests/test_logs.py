@@ -279,5 +279,5 @@ def test_an_http_header_past_the_parser_limit_is_refused_and_never_logged() -> N
     out, err = process.communicate(timeout=WAIT_SECONDS)
     assert process.returncode == 0, err
     assert out.startswith("HTTP/1.") and " 400 " in out
-    assert "check: done" in err and "refused a malformed HTTP request (LineTooLong)" in err
+    assert "check: done" in err and "refused a malformed HTTP request from 127.0.0.1 (LineTooLong)" in err
     assert "NEARMISSKEY" not in err and "Traceback" not in err and "ERROR" not in err

@@ -135,7 +135,7 @@ try:
         if stream == 1 and kind == 3:
             print("reset", flush=True); break
         if stream == 1 and kind == 1 and flags & 1:
-            print("trailers" if time.monotonic() < deadline else "late trailers", flush=True); break
+            print("trailers" if time.monotonic() < deadline else "late trailers", payload.hex(), flush=True); break
 except (EOFError, OSError):
     print("closed", flush=True)
 """
@@ -176,7 +176,10 @@ def test_a_grpc_client_that_reads_again_after_its_cut_gets_its_status(stall_clus
                    timeout_s=30)
         client.stdin.write("resume\n")
         client.stdin.flush()
-        assert client.stdout.readline().strip() == "trailers"
+        ended, trailers = client.stdout.readline().rsplit(" ", 1)
+        assert ended == "trailers"
+        # grpc writes these trailers as literals: status 1 (CANCELLED), and the stall's message
+        assert b"\x0bgrpc-status\x011" in bytes.fromhex(trailers) and b"read nothing" in bytes.fromhex(trailers)
     finally:
         client.kill()
         client.wait()
@@ -278,6 +281,30 @@ def test_a_client_at_its_running_cap_waits_while_others_take_free_places() -> No
         hold.set()
         await asyncio.gather(first, other)
         assert (admission.running, admission.queued) == (0, 0)
+
+    asyncio.run(scenario())
+
+
+def test_a_cut_call_still_open_counts_against_its_client_only() -> None:
+    """A gRPC call cut as stalled stays open until its client reads or leaves. It holds none of the gateway's
+    places, so others start at once; but it holds one of its own client's, so that client cannot pile up more
+    such calls than its cap; when it ends, that client's waiter starts."""
+
+    async def scenario() -> None:
+        admission = Admission(AdmissionConfig(max_in_flight=2, max_queue=8, queue_timeout_s=30,
+                                              max_in_flight_per_client=1, max_queue_per_client=4))
+        with admission.holding("a"):
+            assert admission.running == 0 and admission.held_by("a") == 1
+            async with admission.slot(client="b"):  # a place of the gateway's: free
+                pass
+            slot = admission.slot(client="a")
+            waiting = asyncio.ensure_future(slot.__aenter__())
+            await asyncio.sleep(0.05)
+            assert not waiting.done() and admission.queued == 1  # a is at its cap: its cut call holds it
+        await asyncio.wait_for(waiting, 5)  # the cut call ended: a's request starts
+        assert admission.running == 1 and admission.held_by("a") == 1
+        await slot.__aexit__(None, None, None)
+        assert admission.running == 0 and admission.held_by("a") == 0
 
     asyncio.run(scenario())
 
