@@ -185,12 +185,7 @@ def _side(gaps: list[float]) -> dict[str, Any]:
 def _report(args: argparse.Namespace, colocate_below: int, corpora: dict[str, Corpus], gaps: dict[str, list[float]],
             drained_s: float | None, gauges: dict[str, dict[str, float]]) -> dict[str, Any]:
     sides = {side: _side(gaps[side]) for side in SIDES}
-    alone = sides["alone"]["itl_p99_ms"]
-    ratios = {side: round(sides[side]["itl_p99_ms"] / alone, 3) if alone and sides[side]["gaps"] else None
-              for side in ("refused", "all")}
-    alone_max = sides["alone"]["itl_max_ms"]
-    max_ratios = {side: round(sides[side]["itl_max_ms"] / alone_max, 3) if alone_max and sides[side]["gaps"] else None
-                  for side in ("refused", "all")}
+    ratios, max_ratios = _ratios(sides, "itl_p99_ms"), _ratios(sides, "itl_max_ms")
     unexpected = [u for corpus in corpora.values() for u in corpus.unexpected]
     refusal_ms = sorted(ms for corpus in corpora.values() for ms, _ in corpus.refusals)
     held = {f"{name} {key}": value for name, values in gauges.items() for key, value in values.items() if value}
@@ -215,6 +210,13 @@ def _report(args: argparse.Namespace, colocate_below: int, corpora: dict[str, Co
         "drain": {"seconds": drained_s, "held": held},
         "verdict": {**verdict, "ok": all(verdict.values())},
     }
+
+
+def _ratios(sides: dict[str, dict[str, Any]], key: str) -> dict[str, float | None]:
+    """Each side's `key` over its figure alone (None without gaps or a figure alone)."""
+    alone = sides["alone"][key]
+    return {side: round(sides[side][key] / alone, 3) if alone and sides[side]["gaps"] else None
+            for side in ("refused", "all")}
 
 
 def _table(result: dict[str, Any]) -> str:

@@ -392,22 +392,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         renewal = decode_pb2.LeaseRenewal(request_id=request.request_id, reservation_token=request.reservation_token)
         stub = decode_pb2_grpc.DecodeStub(self._channels.acquire(request.decode_address))
         try:
-            first = True
-            while True:
-                if not first:
-                    await asyncio.sleep(period)
-                first = False
-                if result.done() or push.call is not None:
-                    return
-                if self.engine.stalled() > self.config.server.stall_s:
-                    continue
-                try:  # a renewal that lands late still extends the lease: wait for it up to a whole lease
-                    await stub.RenewLease(renewal, timeout=request.lease_ms / 1e3)
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION):
-                        return  # released or expired: decode fails the request, and the gateway cancels this call
-                    log.warning("renewing the lease at decode worker %s failed, %s: %s", request.decode_address,
-                                exc.code().name, exc.details())
+            while not (result.done() or push.call is not None):
+                if self.engine.stalled() <= self.config.server.stall_s:
+                    try:  # a renewal that lands late still extends the lease: wait for it up to a whole lease
+                        await stub.RenewLease(renewal, timeout=request.lease_ms / 1e3)
+                    except grpc.aio.AioRpcError as exc:
+                        if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION):
+                            return  # released or expired: decode fails the request, and the gateway cancels this
+                        log.warning("renewing the lease at decode worker %s failed, %s: %s",
+                                    request.decode_address, exc.code().name, exc.details())
+                await asyncio.sleep(period)
         finally:
             self._channels.release(request.decode_address)
 

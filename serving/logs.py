@@ -210,15 +210,11 @@ def configure() -> None:
     _listener.start()
     logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"), handlers=[handler], force=True)
     logging.captureWarnings(True)  # warnings.warn writes to stderr in the caller otherwise
-    otel = logging.getLogger("opentelemetry.context")
-    if not any(isinstance(f, _AbandonedGeneratorDetach) for f in otel.filters):
-        otel.addFilter(_AbandonedGeneratorDetach())
-    cygrpc = logging.getLogger("grpc._cython.cygrpc")
-    if not any(isinstance(f, _UndecodableMetadata) for f in cygrpc.filters):
-        cygrpc.addFilter(_UndecodableMetadata())
-    aiohttp_server = logging.getLogger("aiohttp.server")
-    if not any(isinstance(f, _MalformedHttpRequest) for f in aiohttp_server.filters):
-        aiohttp_server.addFilter(_MalformedHttpRequest())
+    for name, kind in (("opentelemetry.context", _AbandonedGeneratorDetach),
+                       ("grpc._cython.cygrpc", _UndecodableMetadata), ("aiohttp.server", _MalformedHttpRequest)):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, kind) for f in logger.filters):
+            logger.addFilter(kind())
 
 
 atexit.register(_stop_listener)  # after logging's own exit hook is registered, so it runs before it
