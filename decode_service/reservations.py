@@ -49,6 +49,7 @@ class DecodeParams:
     decoded_tokens: int = 0  # colocated: how many of its last tokens decode steps generated (a migrated stream's)
     cache_salt: str = ""  # colocated: its prompt's prefix-cache namespace
     heartbeat_ms: int = 0  # colocated: a `prefilling` event this often until the first token (0: none)
+    tpot_target_ms: int = 0  # the time between tokens it asks for (0: none): bounds the colocated passes' budget
 
 @dataclass(frozen=True)
 class Failure:

@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_KV_BUDGET_MB = 2048  # the paged KV cache: 64 sequences of ~700 tokens of the default model in fp32
 MIN_HEARTBEAT_MS = 50  # a colocated prompt's `prefilling` events: no caller may ask for a flood
+MAX_TPOT_TARGET_MS = 60_000  # a target past a minute a token asks for nothing a stream could use
 
 
 @dataclass(frozen=True)
@@ -366,6 +367,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             emit=emit,
             tokens=tokens,
             steps=[] if tracing.recording() else None,
+            tpot_target_s=params.tpot_target_ms / 1e3,
         )
 
     async def RenewLease(
@@ -392,6 +394,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             kv_budget_bytes=self.table.kv_budget_bytes,
             pid=os.getpid(),
             live_buffer_bytes=self.lender.lent_bytes,
+            costs=self.engine.cost_model(),
+            backlog_s=self.engine.backlog_s(),
+            pass_budget_s=self.engine.pass_budget_s(),
+            running=self.engine.running,
+            running_tokens=self.engine.running_tokens,
         )
 
     async def _params(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext) -> DecodeParams:
@@ -410,12 +417,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 raise ValueError("heartbeat_ms is for a colocated request: it needs prompt_token_ids")
             if 0 < request.heartbeat_ms < MIN_HEARTBEAT_MS:
                 raise ValueError(f"heartbeat_ms {request.heartbeat_ms}: must be 0 (none) or >= {MIN_HEARTBEAT_MS}")
+            if request.tpot_target_ms > MAX_TPOT_TARGET_MS:
+                raise ValueError(f"tpot_target_ms {request.tpot_target_ms}: must be at most {MAX_TPOT_TARGET_MS}")
             sampling = sampling_from_pb(request.sampling)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return DecodeParams(request.request_id, request.prompt_tokens, request.max_tokens, sampling,
                             request.ignore_eos, tuple(request.prompt_token_ids), request.decoded_tokens,
-                            request.cache_salt, request.heartbeat_ms)
+                            request.cache_salt, request.heartbeat_ms, request.tpot_target_ms)
 
 
 async def serve(config: DecodeConfig) -> None:
@@ -423,6 +432,7 @@ async def serve(config: DecodeConfig) -> None:
     runner = await asyncio.to_thread(config.model.load)
     await asyncio.to_thread(warm_up, runner)
     servicer = DecodeServicer(config, runner)
+    await asyncio.to_thread(servicer.engine.calibrate)
     servicer.engine.start()
 
     service = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name

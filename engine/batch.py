@@ -19,15 +19,17 @@ from model_runner.forward import decode_step
 from model_runner.loading import LoadedModel
 from model_runner.paged_cache import KVPieces, PagedKVCache
 from model_runner.sampling import SAMPLING_EPS, best_logits, sample
+from serving.costs import Costs
 
 log = logging.getLogger(__name__)
 
 
 class DecodeBatch:
     def __init__(self, runner: LoadedModel, kv_blocks: int,
-                 on_step: Callable[[float, int], None] | None = None) -> None:
+                 on_step: Callable[[float, int], None] | None = None, costs: Costs | None = None) -> None:
         """`kv_blocks`: the paged cache's size, in blocks of model_runner/paged_cache.BLOCK_SIZE tokens.
-        `on_step(seconds, batch size)` is called after every step: metrics."""
+        `on_step(seconds, batch size)` is called after every step: metrics. `costs`: every step's time goes into
+        its decode-step fit."""
         spec = runner.spec
         self.runner = runner
         self.max_len = spec.max_model_len
@@ -36,6 +38,7 @@ class DecodeBatch:
         self.running: list[Sequence] = []
         self.steps = 0
         self._on_step = on_step
+        self._costs = costs
 
     def __len__(self) -> int:
         return len(self.running)
@@ -79,8 +82,9 @@ class DecodeBatch:
     def _step(self) -> None:
         running, batch = self.running, len(self.running)
         started = time.perf_counter()
+        contexts = [s.cached for s in running]
         logits = decode_step(self.runner, self.cache, [s.tokens[-1] for s in running], [s.blocks for s in running],
-                             [s.cached for s in running])
+                             contexts)
         picked = _greedy_picks(running, logits)
         finished = []
         ended = time.perf_counter()
@@ -99,6 +103,8 @@ class DecodeBatch:
                 finished.append(seq)
         self.leave(finished)
         self.steps += 1
+        if self._costs is not None:
+            self._costs.observe_step(batch, sum(contexts), ended - started)
         if self._on_step is not None:
             self._on_step(ended - started, batch)
 

@@ -24,6 +24,8 @@ from engine.sequence import FAILED, Sequence
 from model_runner.loading import LoadedModel
 from model_runner.paged_cache import KVPieces, pieces_of
 from model_runner.prefix_cache import PrefixCache
+from protos import worker_pb2
+from serving.costs import Costs
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +49,13 @@ class EngineCore:
         next one's while sequences run (the step, joins, prompt layers between): the gap a running stream sees
         between two tokens."""
         self.runner = runner
+        self.costs = Costs()  # what its passes and steps take here: the gateway places requests by it
         self._wake = threading.Condition()  # re-entrant: the prompt queue finishes jobs under it
         self.prompts = PromptQueue(runner, self._wake, batch_tokens=batch_tokens, chunk_tokens=chunk_tokens,
                                    max_queued_tokens=max_queued_tokens, layer_streaming=layer_streaming,
-                                   prefix_cache=prefix_cache,
+                                   prefix_cache=prefix_cache, costs=self.costs,
                                    between_layers=self._between_layers if kv_blocks and prompt_pass_s > 0 else None)
-        self.batch = DecodeBatch(runner, kv_blocks, on_step) if kv_blocks else None
+        self.batch = DecodeBatch(runner, kv_blocks, on_step, self.costs) if kv_blocks else None
         if self.batch is not None:
             self.batch.cache.commit(kv_warm_bytes)
         self._joining: collections.deque[tuple[Sequence, KVPieces, Callable[[], None]]] = collections.deque()
@@ -145,6 +148,33 @@ class EngineCore:
         with self._wake:
             return len(self.prompts)
 
+    def calibrate(self) -> None:
+        """Before the service takes requests (blocking; call off the event loop): a few timed prompt passes, so
+        that its first requests are placed by measured costs (PromptQueue.calibrate). A failure is logged: the fit
+        then starts from the first passes served."""
+        try:
+            self.prompts.calibrate()
+        except Exception:
+            log.exception("calibrating the prompt-pass costs failed; they are fitted from the passes served")
+
+    def cost_model(self) -> worker_pb2.Costs:
+        """Its latency model as WorkerInfo reports it."""
+        costs = self.costs
+        return worker_pb2.Costs(
+            pass_coefficients=costs.passes.coefficients if costs.passes.samples else [],
+            step_coefficients=costs.steps.coefficients if costs.steps.samples else [],
+            passes=costs.passes.samples, steps=costs.steps.samples, chunk_tokens=self.prompts.chunk_tokens)
+
+    def backlog_s(self) -> float:
+        """Predicted seconds until the prompts queued or running here are done (serving/costs.py)."""
+        with self._wake:
+            return self.prompts.backlog_s()
+
+    @property
+    def running_tokens(self) -> int:
+        """Tokens held by the sequences in the decode batch (what a step attends to)."""
+        return 0 if self.batch is None else sum(seq.cached for seq in list(self.batch.running))
+
     @property
     def running(self) -> int:
         """Sequences in the decode batch."""
@@ -219,8 +249,14 @@ class EngineCore:
                 log.exception("decode step between prompt layers failed")
 
     def pass_budget_s(self) -> float:
-        """How long a colocated prompt pass may run since the last decode step: `prompt_pass_s`, or `pass_steps`
-        recent steps if that is less."""
+        """How long a colocated prompt pass may run since the last decode step: the strictest time-per-token
+        target of the running sequences less a recent step, if any has one; else `prompt_pass_s`, or `pass_steps`
+        recent steps if that is less. 0: passes run whole."""
+        if not self._prompt_pass_s or self.batch is None:
+            return 0.0
+        targets = [seq.tpot_target_s for seq in list(self.batch.running) if seq.tpot_target_s]
+        if targets:
+            return max(0.0, min(targets) - self._step_s)
         if self._pass_steps and self._step_s:
             return min(self._prompt_pass_s, self._pass_steps * self._step_s)
         return self._prompt_pass_s

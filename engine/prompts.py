@@ -28,6 +28,7 @@ from model_runner.loading import LoadedModel
 from model_runner.prefix_cache import Block, PrefixCache, continuation
 from model_runner.sampling import sample
 from protos.types import SamplingParams
+from serving.costs import Costs, prompt_seconds
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +96,10 @@ class PromptQueue:
 
     def __init__(self, runner: LoadedModel, lock: threading.Condition, *, batch_tokens: int, chunk_tokens: int,
                  max_queued_tokens: int | None, layer_streaming: bool, prefix_cache: PrefixCache | None,
-                 between_layers: Callable[[], None] | None = None) -> None:
+                 between_layers: Callable[[], None] | None = None, costs: Costs | None = None) -> None:
         """`between_layers()`: called at every layer boundary of a pass, on the engine thread (a decode core runs
-        a decode step there when its streams have waited long enough: core.py)."""
+        a decode step there when its streams have waited long enough: core.py). `costs`: every pass's time, less
+        the decode steps run between its layers, goes into its prompt-pass fit."""
         self.runner = runner
         self.prefix_cache = prefix_cache  # used under the lock
         self.max_queued_tokens = max_queued_tokens  # None: unbounded (a decode worker's reservations bound it)
@@ -107,6 +109,41 @@ class PromptQueue:
         self.queued_tokens = 0  # prompt tokens of every job submitted and not yet finished
         self.live_jobs = 0
         self.between_layers = between_layers
+        self.costs = costs
+        self._paused = 0.0  # seconds the pass under way spent in between_layers
+
+    def calibrate(self, sizes: tuple[int, ...] = (16, 128)) -> None:
+        """Before serving (no pass may run beside it): a pass of each size, and one more of the largest after it
+        (a chunk with context), timed into the pass fit, so the first requests are placed by measured costs too."""
+        if self.costs is None:
+            return
+        prefill_pass(self.runner, [[0] * min(sizes)], WatchedCache())  # untimed: a first pass sets things up
+        for tokens in sizes:
+            cache = WatchedCache()
+            for start in (0, tokens) if tokens == max(sizes) else (0,):
+                started = time.perf_counter()
+                prefill_pass(self.runner, [[0] * tokens], cache)
+                self.costs.observe_pass(tokens, start, time.perf_counter() - started)
+
+    def backlog_s(self) -> float:
+        """Predicted seconds to finish every prompt queued or running, by the pass fit (under the lock)."""
+        if self.costs is None:
+            return 0.0
+        coefficients = self.costs.passes.coefficients
+        return sum(prompt_seconds(coefficients, len(job.token_ids) - job.done, job.done,
+                                  self.chunk_tokens if self._scheduler.is_long(job) else 0)
+                   for job in self._scheduler.waiting())
+
+    def _layer_done(self) -> None:
+        """A layer boundary of the pass under way: the decode step that may run there is timed apart."""
+        if self.between_layers is not None:
+            started = time.perf_counter()
+            self.between_layers()
+            self._paused += time.perf_counter() - started
+
+    def _observe(self, tokens: int, start: int, started: float) -> None:
+        if self.costs is not None:
+            self.costs.observe_pass(tokens, start, time.perf_counter() - started - self._paused)
 
     @property
     def chunk_tokens(self) -> int:
@@ -169,11 +206,12 @@ class PromptQueue:
                     if job.deliver is not None:
                         width = len(job.token_ids)
                         job.deliver(layer, keys[row, :, :width], values[row, :, :width])
-            if self.between_layers is not None:
-                self.between_layers()
+            self._layer_done()
 
         cache = WatchedCache(on_layer, homes=jobs[0].kv_home if len(jobs) == 1 else None)
+        self._paused = 0.0
         logits = prefill_pass(self.runner, [job.token_ids for job in jobs], cache)
+        self._observe(len(jobs) * max(len(job.token_ids) for job in jobs), 0, started)  # right-padded rows
         ended = time.perf_counter()
         for row, job in enumerate(jobs):
             if job.abandoned:
@@ -212,14 +250,15 @@ class PromptQueue:
                 raise Abandoned
             if streaming and job.deliver is not None:
                 job.deliver(layer, keys[0], values[0])
-            if self.between_layers is not None:
-                self.between_layers()
+            self._layer_done()
 
         job.cache.on_layer = on_layer
+        self._paused, started = 0.0, time.perf_counter()
         if replaying:
             logits = replay_pass(self.runner, chunk, job.cache)
         else:
             logits = prefill_pass(self.runner, [chunk], job.cache)[0]
+        self._observe(len(chunk), job.done, started)
         job.done += len(chunk)
         if not last:
             return

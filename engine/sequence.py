@@ -32,6 +32,7 @@ class Sequence:
     steps: list[tuple[float, float, int]] | None = None
     submitted_at: float = 0.0
     joined_at: float = 0.0
+    tpot_target_s: float = 0.0  # the time between tokens it asks for (0: none): bounds colocated passes' budget
 
     @property
     def aborted(self) -> bool:

@@ -20,6 +20,7 @@ import grpc
 from opentelemetry import trace
 
 from gateway.errors import GatewayError, NoDecodeCapacity
+from gateway.placement import Decision, Placement
 from gateway.request import GenerateParams
 from gateway.workers import Colocation, PairBreakers, Pool, Worker
 from protos import decode_pb2, prefill_pb2
@@ -85,6 +86,10 @@ class Timings:
     retries: int = 0
     migrations: int = 0
     cached_tokens: int = 0  # prompt tokens the prefill worker's prefix cache held
+    placement: str = ""  # where the last attempt's prompt ran: "prefill" or "colocated"
+    placement_reason: str = ""  # why: the options the model predicted, or the threshold that decided
+    predicted_ttft_s: float | None = None  # the model's TTFT for the last attempt's choice (None: not by the model)
+    attempt_ttft_s: float | None = None  # the first token's time since that attempt began
 
 
 def _hop_error(exc: grpc.aio.AioRpcError, hop: str, worker: Worker) -> GatewayError:
@@ -127,7 +132,7 @@ def _finished_by(params: GenerateParams, sent: list[int], eos_token_ids: frozens
 
 async def run_with_failover(
     params: GenerateParams, prefill: Pool, decode: Pool, timings: Timings, deadline: float | None,
-    colocation: Colocation | bool, policy: RetryPolicy, pairs: PairBreakers | None = None,
+    colocation: Placement | Colocation | bool, policy: RetryPolicy, pairs: PairBreakers | None = None,
     eos_token_ids: frozenset[int] = frozenset(),
 ) -> AsyncGenerator[Tokens, None]:
     """`run`, retried on other workers when a worker fails, within the deadline (loop time) and the policy.
@@ -138,7 +143,7 @@ async def run_with_failover(
     or an eos in `eos_token_ids`) ends it with that finish instead.
 
     Each attempt asks `colocation` whether its prompt (a migrated stream's includes the tokens sent) is prefilled
-    by the decode worker itself, at the prefill pool's load then; a bool decides once for every attempt.
+    by the decode worker itself, at the pools' load then (placement.py); a bool decides once for every attempt.
     A worker's DEADLINE_EXCEEDED (decode's lease) that ends the request reaches the caller as UNAVAILABLE: only
     the caller's own deadline is DEADLINE_EXCEEDED."""
     loop = asyncio.get_running_loop()
@@ -156,7 +161,7 @@ async def run_with_failover(
 
 async def _with_failover(
     params: GenerateParams, prefill: Pool, decode: Pool, timings: Timings, deadline: float | None,
-    colocation: Colocation | bool, policy: RetryPolicy, pairs: PairBreakers | None,
+    colocation: Placement | Colocation | bool, policy: RetryPolicy, pairs: PairBreakers | None,
     eos_token_ids: frozenset[int],
 ) -> AsyncGenerator[Tokens, None]:
     loop = asyncio.get_running_loop()
@@ -166,11 +171,25 @@ async def _with_failover(
     while True:
         attempt = params if not sent else params.continued(sent)
         timeout = None if deadline is None else max(0.0, deadline - loop.time())
-        colocated = (colocation if isinstance(colocation, bool)
-                     else colocation.applies(len(attempt.prompt_ids), prefill))
+        decision = _place(colocation, attempt, prefill, decode)
+        _record_placement(timings, decision)
+        predicted = decision.predicted_ttft_s
+        if (params.refuse_late and predicted is not None and not sent and not timings.retries
+                and predicted * 1e3 > params.ttft_target_ms):
+            late_ms = int(predicted * 1e3 - params.ttft_target_ms)
+            raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"refused before it started: its first token is predicted in {predicted:.1f} s, past "
+                               f"its slo.ttft_ms of {params.ttft_target_ms} ({decision.explain()})",
+                               retry_after_ms=max(1, late_ms))
+        decision.commit()
+        began = loop.time()
         try:
-            async for tokens in run(attempt, prefill, decode, timings, timeout, colocated, frozenset(failed), pairs,
-                                    policy.idle_timeout_s):
+            async for tokens in run(attempt, prefill, decode, timings, timeout, decision.colocated,
+                                    frozenset(failed), pairs, policy.idle_timeout_s, decision.decode):
+                if timings.attempt_ttft_s is None and tokens.token_ids:
+                    timings.attempt_ttft_s = loop.time() - began
+                    decision.first_token(timings.attempt_ttft_s)
+                    trace.get_current_span().set_attribute("pdserve.placement.ttft_s", timings.attempt_ttft_s)
                 sent += tokens.token_ids
                 yield tokens
                 if tokens.finish_reason:
@@ -214,25 +233,51 @@ async def _with_failover(
             await asyncio.sleep(pause)
 
 
+def _place(colocation: Placement | Colocation | bool, params: GenerateParams, prefill: Pool, decode: Pool) -> Decision:
+    if isinstance(colocation, bool):
+        return Decision(colocation, "fixed for every attempt")
+    if isinstance(colocation, Colocation):
+        return Decision(colocation.applies(len(params.prompt_ids), prefill), "threshold")
+    return colocation.decide(len(params.prompt_ids), prefill, decode, params.tpot_target_ms)
+
+
+def _record_placement(timings: Timings, decision: Decision) -> None:
+    """The attempt's placement, in its timings and on the request's span."""
+    timings.placement = "colocated" if decision.colocated else "prefill"
+    timings.placement_reason, timings.predicted_ttft_s = decision.explain(), decision.predicted_ttft_s
+    timings.attempt_ttft_s = None
+    attributes: dict[str, str | float] = {"pdserve.placement": timings.placement,
+                                          "pdserve.placement.reason": timings.placement_reason}
+    if decision.predicted_ttft_s is not None:
+        attributes["pdserve.placement.predicted_ttft_s"] = decision.predicted_ttft_s
+    trace.get_current_span().set_attributes(attributes)
+
+
 async def reserve(
     params: GenerateParams, pool: Pool, rpc_timeout: float | None, colocated: bool = False,
-    avoid: frozenset[str] = frozenset(), idle_timeout_s: float | None = None,
+    avoid: frozenset[str] = frozenset(), idle_timeout_s: float | None = None, prefer: str = "",
 ) -> tuple[Worker, grpc.aio.UnaryStreamCall, decode_pb2.Reservation]:
     """Open a Generate call on the first decode worker with room; its first event is the reservation.
 
     A worker that sends no reservation within `idle_timeout_s` is taken for frozen and the next one is asked:
     when the healthy workers are full, the frozen one (tried last) must not hold the request forever.
     Colocated, the call carries the prompt and the decode worker prefills it itself, sending a heartbeat every
-    third of `idle_timeout_s` until its first token."""
+    third of `idle_timeout_s` until its first token. `prefer`: the address to ask first, if it is not avoided (the
+    worker the placement predicted fastest)."""
     request = decode_pb2.DecodeRequest(
         request_id=params.request_id, prompt_tokens=len(params.prompt_ids), max_tokens=params.max_tokens,
         sampling=sampling_to_pb(params.sampling), ignore_eos=params.ignore_eos,
         prompt_token_ids=params.prompt_ids if colocated else [], decoded_tokens=params.decoded if colocated else 0,
-        cache_salt=params.cache_salt if colocated else "")
+        cache_salt=params.cache_salt if colocated else "", tpot_target_ms=params.tpot_target_ms)
     if colocated and idle_timeout_s is not None:
         request.heartbeat_ms = max(MIN_HEARTBEAT_MS, int(idle_timeout_s * 1000 / 3))
     refusals: list[tuple[grpc.StatusCode, str]] = []
-    for worker in pool.in_turn(avoid):
+    ordered = pool.in_turn(avoid)
+    preferred = [w for w in ordered if w.address == prefer and w.address not in avoid]
+    if preferred and preferred[0] is not ordered[0]:  # in_turn counted its first as picked
+        ordered[0].picked -= 1
+        preferred[0].picked += 1
+    for worker in preferred + [w for w in ordered if w not in preferred]:
         call = worker.stub.Generate(request, timeout=rpc_timeout, metadata=tracing.outgoing())
         try:
             # asyncio.timeout, not wait_for: Python 3.11's wait_for returns a result that is ready when the task
@@ -270,7 +315,7 @@ async def reserve(
 async def run(
     params: GenerateParams, prefill: Pool, decode: Pool, timings: Timings, rpc_timeout: float | None,
     colocated: bool = False, avoid: frozenset[str] = frozenset(), pairs: PairBreakers | None = None,
-    idle_timeout_s: float | None = None,
+    idle_timeout_s: float | None = None, prefer: str = "",
 ) -> AsyncGenerator[Tokens, None]:
     """The request's tokens, one attempt. Colocated, one decode worker does both phases: no prefill call, no KV
     transfer. Workers in `avoid` (addresses that failed this request before) are tried last. A decode worker
@@ -282,7 +327,7 @@ async def run(
     pairs = pairs or PairBreakers()
     started = time.perf_counter()
     decode_worker, decode_call, reservation = await reserve(params, decode, rpc_timeout, colocated, avoid,
-                                                            idle_timeout_s)
+                                                            idle_timeout_s, prefer)
     timings.reserve_ms = (time.perf_counter() - started) * 1e3
     decode_worker.calls += 1
     if colocated:

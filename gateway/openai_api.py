@@ -82,9 +82,27 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 # The fields read; any other is ignored with a warning, as vLLM does (its requests allow extra fields and log
 # "fields were present in the request but ignored"), so clients that send newer OpenAI fields keep working.
 _FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
-           "ignore_eos", "n", "user", "cache_salt", *_UNSUPPORTED}
+           "ignore_eos", "n", "user", "cache_salt", "slo", *_UNSUPPORTED}
 _COMPLETION_FIELDS = _FIELDS | {"prompt"}
 _CHAT_FIELDS = _FIELDS | {"messages", "max_completion_tokens"}
+
+
+def _slo(given: Any, slo: gateway_pb2.Slo) -> None:
+    """pdserve's extension field `slo`: {"ttft_ms": int, "tpot_ms": int, "refuse_late": bool}, any of them
+    (gateway.proto Slo; their bounds are checked with the rest of the request)."""
+    if given is None:
+        return
+    if not isinstance(given, dict) or not set(given) <= {"ttft_ms", "tpot_ms", "refuse_late"}:
+        raise BadParameter("slo", "slo is an object with ttft_ms, tpot_ms (milliseconds) and refuse_late")
+    for name in ("ttft_ms", "tpot_ms"):
+        value = given.get(name, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**32:
+            raise BadParameter("slo", f"slo.{name} must be a whole number of milliseconds >= 0")
+        setattr(slo, name, value)
+    refuse = given.get("refuse_late", False)
+    if not isinstance(refuse, bool):
+        raise BadParameter("slo", "slo.refuse_late must be a boolean")
+    slo.refuse_late = refuse
 
 
 class BadParameter(Exception):
@@ -452,6 +470,7 @@ class OpenAIServer:
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise BadParameter("cache_salt", "cache_salt must be a non-empty string")
         generate.cache_salt = _unicode(salt or "", "cache_salt")
+        _slo(body.get("slo"), generate.slo)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise BadParameter("stream", "stream must be a boolean")

@@ -75,6 +75,9 @@ class GenerateParams:
     ignore_eos: bool
     decoded: int = 0  # how many of prompt_ids, at their end, decode steps generated (a continuation's sent tokens)
     cache_salt: str = ""  # the prefix-cache namespace the workers get (effective_cache_salt); "" is the shared one
+    ttft_target_ms: int = 0  # its service level (gateway.proto Slo; 0: the gateway's default)
+    tpot_target_ms: int = 0
+    refuse_late: bool = False
 
     @property
     def cacheable_ids(self) -> list[int]:
@@ -201,6 +204,7 @@ async def parse_request(
         check_cache_salt(request.cache_salt)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
+    check_slo(request.slo)
     prompt_ids = await _prompt_ids(request, tokenizer, vocab_size, max_model_len, deadline)
     room = max_model_len - len(prompt_ids)
     if room < 1:
@@ -217,7 +221,23 @@ async def parse_request(
         stop=list(request.stop),
         ignore_eos=request.ignore_eos,
         cache_salt=effective_cache_salt(request.cache_salt, tenant),
+        ttft_target_ms=request.slo.ttft_ms,
+        tpot_target_ms=request.slo.tpot_ms,
+        refuse_late=request.slo.refuse_late,
     )
+
+
+MAX_TTFT_TARGET_MS = 3_600_000
+MAX_TPOT_TARGET_MS = 60_000  # as the decode workers accept (decode_service/server.py)
+
+
+def check_slo(slo: gateway_pb2.Slo) -> None:
+    if slo.ttft_ms > MAX_TTFT_TARGET_MS:
+        raise InvalidRequest(f"slo.ttft_ms {slo.ttft_ms}: must be at most {MAX_TTFT_TARGET_MS}")
+    if slo.tpot_ms > MAX_TPOT_TARGET_MS:
+        raise InvalidRequest(f"slo.tpot_ms {slo.tpot_ms}: must be at most {MAX_TPOT_TARGET_MS}")
+    if slo.refuse_late and not slo.ttft_ms:
+        raise InvalidRequest("slo.refuse_late needs slo.ttft_ms (or leave it false)")
 
 
 def _sampling(request: gateway_pb2.GenerateRequest) -> SamplingParams:

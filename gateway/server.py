@@ -47,8 +47,11 @@ from gateway.openai_api import (
     DEFAULT_MAX_CONNECTIONS,
     OpenAIServer,
 )
+from gateway.placement import Placement
 from gateway.request import (
     MAX_REQUEST_ID_CHARS,
+    MAX_TPOT_TARGET_MS,
+    MAX_TTFT_TARGET_MS,
     GenerateParams,
     Undecodable,
     lenient,
@@ -76,6 +79,9 @@ class GatewayConfig:
     startup_timeout_s: float = 300.0
     colocate_below: int = 0  # prompts shorter than this are prefilled by the decode worker itself...
     colocate_queued: int = 256  # ...while the least loaded prefill worker holds this many prompt tokens (Colocation)
+    placement: str = "model"  # "model": by each choice's predicted TTFT (placement.py); "threshold": the two above
+    target_tpot_ms: int = 0  # a request's default Slo.tpot_ms (0: none)
+    target_ttft_ms: int = 0  # a request's default Slo.ttft_ms (0: none)
     retry: RetryPolicy = RetryPolicy()
     admission: AdmissionConfig = AdmissionConfig()
     poll_interval_s: float = 0.5  # how often each worker's health and load are read
@@ -95,6 +101,11 @@ class GatewayConfig:
         if self.colocate_below < 0 or self.colocate_queued < 0:
             raise ValueError(f"--colocate-below {self.colocate_below}, --colocate-queued {self.colocate_queued}: "
                              "must be >= 0")
+        if self.placement not in ("model", "threshold"):
+            raise ValueError(f"--placement {self.placement!r}: expected model or threshold")
+        if not 0 <= self.target_tpot_ms <= MAX_TPOT_TARGET_MS or not 0 <= self.target_ttft_ms <= MAX_TTFT_TARGET_MS:
+            raise ValueError(f"--target-tpot-ms {self.target_tpot_ms}, --target-ttft-ms {self.target_ttft_ms}: "
+                             f"expected 0..{MAX_TPOT_TARGET_MS} and 0..{MAX_TTFT_TARGET_MS}")
         if self.retry.max_retries < 0 or self.retry.max_migrations < 0 or self.retry.backoff_s < 0:
             raise ValueError("--max-retries, --max-migrations and --retry-backoff must be >= 0")
         if self.retry.idle_timeout_s is not None and self.retry.idle_timeout_s <= 0:
@@ -126,7 +137,8 @@ class GatewayConfig:
     def from_args(cls, args: argparse.Namespace) -> GatewayConfig:
         return cls(server=server_config(args), prefill=_split(args.prefill), decode=_split(args.decode),
                    model=args.model, startup_timeout_s=args.startup_timeout_s, colocate_below=args.colocate_below,
-                   colocate_queued=args.colocate_queued,
+                   colocate_queued=args.colocate_queued, placement=args.placement, target_tpot_ms=args.target_tpot_ms,
+                   target_ttft_ms=args.target_ttft_ms,
                    retry=RetryPolicy(max_retries=args.max_retries, max_migrations=args.max_migrations,
                                      backoff_s=args.retry_backoff_s, capacity_wait_s=args.queue_timeout_s,
                                      idle_timeout_s=args.idle_timeout_s or None),
@@ -157,6 +169,19 @@ class GatewayConfig:
                            help="...but only while the least loaded prefill worker has at least this many prompt "
                            "tokens queued or running: an idle prefill worker costs the decode batch nothing "
                            "(default: %(default)s; 0: whenever they are short)")
+        group.add_argument("--placement", choices=("model", "threshold"), default=GatewayConfig.placement,
+                           help="model: each prompt runs where the workers' measured costs predict its first token "
+                           "soonest, on a prefill worker or colocated on a decode worker, whatever its length; the "
+                           "two flags above decide only until the workers report costs. threshold: they always "
+                           "decide (default: %(default)s)")
+        group.add_argument("--target-tpot-ms", type=int, default=GatewayConfig.target_tpot_ms, metavar="MS",
+                           help="the time between tokens a request asks for unless it says (its slo.tpot_ms): "
+                           "placement avoids choices predicted slower, and a decode worker then gives colocated "
+                           "prompts the rest of its core instead of --prefill-pass-ms (default: %(default)s, none)")
+        group.add_argument("--target-ttft-ms", type=int, default=GatewayConfig.target_ttft_ms, metavar="MS",
+                           help="the time to first token a request asks for unless it says (its slo.ttft_ms); a "
+                           "request with slo.refuse_late predicted past it is refused at once (default: "
+                           "%(default)s, none)")
         group.add_argument("--max-in-flight", type=int, default=AdmissionConfig.max_in_flight,
                            help="requests running at once; more wait in the queue (default: %(default)s)")
         group.add_argument("--max-queue", type=int, default=AdmissionConfig.max_queue,
@@ -314,7 +339,7 @@ def _split(values: list[str]) -> list[str]:
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, tokenizer: Any, model: worker_pb2.ModelInfo, prefill: Pool, decode: Pool,
-                 colocation: Colocation, retry: RetryPolicy, admission: AdmissionConfig,
+                 colocation: Placement | Colocation, retry: RetryPolicy, admission: AdmissionConfig,
                  keys: ApiKeys | None = None,
                  client_stall_timeout_s: float = DEFAULT_CLIENT_STALL_TIMEOUT_S) -> None:
         self.tokenizer = tokenizer
@@ -355,11 +380,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                       "pdserve_client_stalls": "requests cut because their client read nothing for "
                                                "--client-stall-timeout",
                       "pdserve_prompt_tokens": "prompt tokens of finished requests",
-                      "pdserve_generation_tokens": "tokens streamed to clients"},
+                      "pdserve_generation_tokens": "tokens streamed to clients",
+                      "pdserve_placements": "finished requests by where their prompt ran (prefill or colocated)"},
             histograms={"pdserve_time_to_first_token_seconds": "request arrival to its first token",
                         "pdserve_inter_token_latency_seconds": "gap between two tokens of a stream",
                         "pdserve_e2e_request_latency_seconds": "request arrival to its last token",
-                        "pdserve_queue_time_seconds": "time waiting for a place at the gateway"})
+                        "pdserve_queue_time_seconds": "time waiting for a place at the gateway",
+                        "pdserve_placement_ttft_error_ratio": "a placed attempt's TTFT over the TTFT predicted for it "
+                                                              "(1: exact)"})
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         # Writes with context.write rather than as an async generator, so that a Cancel call never interrupts a
@@ -488,9 +516,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         span.set_attributes({"pdserve.prompt_tokens": usage.prompt_tokens, "pdserve.retries": timing.retries,
                              "pdserve.migrations": timing.migrations, "pdserve.kv_transport": timing.kv_transport,
                              "pdserve.kv_bytes": timing.kv_bytes})
-        log.info("finished (%s): %d prompt + %d tokens, TTFT %.0f ms, total %.0f ms, %d retries, %d migrations",
-                 response.finish_reason, usage.prompt_tokens, generated, timing.ttft_ms, timing.total_ms,
-                 timing.retries, timing.migrations)
+        self.metrics.count("pdserve_placements", placement=timing.placement)
+        if timing.predicted_ttft_ms and timing.placed_ttft_ms:
+            self.metrics.observe("pdserve_placement_ttft_error_ratio", timing.placed_ttft_ms / timing.predicted_ttft_ms,
+                                 placement=timing.placement)
+        log.info("finished (%s): %d prompt + %d tokens, TTFT %.0f ms, total %.0f ms, %d retries, %d migrations; "
+                 "placed: %s", response.finish_reason, usage.prompt_tokens, generated, timing.ttft_ms,
+                 timing.total_ms, timing.retries, timing.migrations, timing.placement_reason)
 
     async def _handle(
         self, request: gateway_pb2.GenerateRequest, deadline: float | None, arrived: float, tenant: str, client: str
@@ -511,6 +543,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                                  self.model.max_model_len, tenant=tenant, deadline=deadline)
                 except InvalidRequest as exc:
                     raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+                if isinstance(self.colocation, Placement):
+                    params = self.colocation.with_defaults(params)
                 trace.get_current_span().set_attribute("pdserve.request_id", params.request_id)
                 logs.for_request(params.request_id)
                 owned = owned or self._claim(tenant, params.request_id)
@@ -524,9 +558,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc),
                                retry_after_ms=self.admission.retry_after_ms) from None
         except GatewayError as exc:
-            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # no decode room: refused for load, like Overloaded
+            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # no room, or predicted late: refused for load
                 self.metrics.count("pdserve_rejections")
-                exc.retry_after_ms = self.admission.retry_after_ms
+                exc.retry_after_ms = exc.retry_after_ms or self.admission.retry_after_ms
             raise
         except asyncio.CancelledError:
             if owned in self._cancelled:  # Cancel, not the client: the client gets a status
@@ -613,7 +647,8 @@ def _timing(timings: Timings, arrived: float, first_at: float, generated: int) -
         ttft_ms=(first_at - arrived) * 1e3, reserve_ms=timings.reserve_ms, prefill_queue_ms=timings.prefill_queue_ms,
         prefill_ms=timings.prefill_ms, kv_exposed_ms=timings.kv_exposed_ms, kv_transfer_ms=timings.kv_transfer_ms,
         kv_bytes=timings.kv_bytes, kv_transport=timings.kv_transport, retries=timings.retries,
-        migrations=timings.migrations,
+        migrations=timings.migrations, placement=timings.placement, placement_reason=timings.placement_reason,
+        predicted_ttft_ms=(timings.predicted_ttft_s or 0.0) * 1e3, placed_ttft_ms=(timings.attempt_ttft_s or 0.0) * 1e3,
         decode_tokens_per_s=(generated - 1) / decode_s if generated > 1 and decode_s else 0,
         total_ms=(now - arrived) * 1e3)
 
@@ -630,7 +665,8 @@ async def serve(config: GatewayConfig) -> None:
     tokenizer = await asyncio.to_thread(Tokenizer.from_dir, _tokenizer_dir(config.model))
     max_prompt_chars(tokenizer, model.max_model_len)  # its vocabulary scan holds the GIL ~20 ms: now, not in a request
     servicer = GatewayServicer(tokenizer, model, prefill, decode,
-                               Colocation(config.colocate_below, config.colocate_queued), config.retry,
+                               Placement(config.placement, Colocation(config.colocate_below, config.colocate_queued),
+                                         config.target_ttft_ms, config.target_tpot_ms), config.retry,
                                config.admission, ApiKeys.load(config.api_key_file), config.client_stall_timeout_s)
     http = OpenAIServer(servicer, config.served_model_name or _model_name(config.model), config.http_body_timeout_s,
                         config.http_deadline_s, config.client_stall_timeout_s, config.max_http_connections)

@@ -84,6 +84,7 @@ class Worker:
     health: Any = None  # grpc.health.v1 stub
     serving: bool = True  # its health check says SERVING (False while it drains or is unreachable)
     picked: int = 0  # requests sent its way since `info` was read: the load the next poll will show
+    picked_s: float = 0.0  # predicted seconds of prompt work sent its way since `info` was read (placement.py)
     prefilling_tokens: int = 0  # prefill: prompt tokens this gateway sent that have no first token yet
     calls: int = 0  # request calls open on its channel (journey.run counts them)
 
@@ -365,7 +366,7 @@ class Pool:
                 worker.info, worker.serving = info, False
                 return
             worker.serving = health.status == health_pb2.HealthCheckResponse.SERVING
-            worker.info, worker.picked = info, 0
+            worker.info, worker.picked, worker.picked_s = info, 0, 0.0
         except grpc.aio.AioRpcError as exc:
             if worker.serving:
                 log.warning("%s worker %s: %s", self.role, worker.address, exc.details())

@@ -446,7 +446,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     ) -> worker_pb2.WorkerInfo:
         return worker_pb2.WorkerInfo(role="prefill", model=model_info(self.spec), live_sequences=self.engine.live_jobs,
                                      queued_tokens=self.engine.queued_tokens, pid=os.getpid(),
-                                     prefix_block_tokens=self.config.prefix_block_tokens)
+                                     prefix_block_tokens=self.config.prefix_block_tokens,
+                                     costs=self.engine.cost_model(), backlog_s=self.engine.backlog_s())
 
     async def close(self) -> None:
         await self._channels.close()
@@ -467,6 +468,7 @@ async def serve(config: PrefillConfig) -> None:
     runner = await asyncio.to_thread(config.model.load)
     await asyncio.to_thread(forward.warm_up, runner)
     servicer = PrefillServicer(config, runner)
+    await asyncio.to_thread(servicer.engine.calibrate)
 
     def register(server: grpc.aio.Server) -> list[str]:
         prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)

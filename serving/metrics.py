@@ -17,10 +17,14 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0
 # Sequences in one decode step.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
-# Labels of the metrics that have them: the KV transfer's path.
-LABELS = {name: ("path",) for name in ("pdserve_kv_transfer_seconds", "pdserve_kv_transfer_bytes",
-                                        "pdserve_kv_transfer_failures")}
-BUCKETS = {"pdserve_decode_batch_size": BATCH_BUCKETS}
+# Actual over predicted.
+RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.1, 1.25, 1.5, 2.0, 4.0, 8.0)
+
+# Labels of the metrics that have them: the KV transfer's path; where a prompt was placed.
+LABELS = {**{name: ("path",) for name in ("pdserve_kv_transfer_seconds", "pdserve_kv_transfer_bytes",
+                                           "pdserve_kv_transfer_failures")},
+          **{name: ("placement",) for name in ("pdserve_placements", "pdserve_placement_ttft_error_ratio")}}
+BUCKETS = {"pdserve_decode_batch_size": BATCH_BUCKETS, "pdserve_placement_ttft_error_ratio": RATIO_BUCKETS}
 
 
 class Metrics:

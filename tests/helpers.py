@@ -61,7 +61,11 @@ def wait_until(condition: Callable[[], T], what: str | Callable[[], str], timeou
 def start_cluster(model_dir: Path, prefill: int = 1, decode: int = 1, decode_args: tuple[str, ...] = (),
                   prefill_args: tuple[str, ...] = (), colocate_below: int = 0,
                   gateway_args: tuple[str, ...] = (), tls_dir: str = "", dtype: str = "float32") -> Cluster:
-    """float32 unless asked: most tests compare tokens with Hugging Face `generate` in float32."""
+    """float32 unless asked: most tests compare tokens with Hugging Face `generate` in float32. The gateway places
+    prompts by the fixed thresholds unless `gateway_args` names a --placement: a test that checks a path (a KV
+    transfer, a prefill queue) must not see its prompt placed elsewhere by costs measured on a busy machine."""
+    if not any(arg.startswith("--placement") for arg in gateway_args):
+        gateway_args = ("--placement=threshold", *gateway_args)
     return start(ClusterConfig(prefill=prefill, decode=decode, model=str(model_dir), threads=1, dtype=dtype,
                                decode_args=decode_args, prefill_args=prefill_args, startup_timeout_s=180,
                                colocate_below=colocate_below, gateway_args=gateway_args, tls_dir=tls_dir))

@@ -1,0 +1,192 @@
+"""Where a request's prompt runs: on a prefill worker (disaggregated) or on a decode worker that prefills it between
+its steps (colocated), chosen per attempt by the time to first token each choice is predicted to give.
+
+Each worker reports its latency model (WorkerInfo.costs, fitted on its own passes and steps: serving/costs.py) and
+the seconds of prompt work it holds (backlog_s). For a prompt of n tokens the gateway predicts:
+- on prefill worker p: TTFT = backlog(p) + prompt(p, n). Its KV then goes to decode while decode's streams go on;
+- colocated on decode worker d: its passes share d's core with the decode steps. While sequences run, a pass yields
+  to a step once it has run `pass_budget_s` (layered prefill, engine/core.py), so prompts get a share
+  s = budget / (budget + step) of the core and TTFT = (backlog(d) + prompt(d, n)) / s + step. Its running streams
+  then wait up to step + budget between tokens (the predicted TPOT of that choice).
+backlog(w) is what the last poll read plus the predicted work of the prompts this gateway sent since. The choice
+with the lowest predicted TTFT wins; a choice whose TPOT would break the time-per-token objective (`tpot_s`) is
+taken only when every choice does. Until the workers report costs (the first poll), the fixed thresholds decide
+(Colocation), as they do with --placement threshold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gateway.request import GenerateParams
+from gateway.workers import Colocation, Pool, Worker
+from serving.costs import prompt_seconds, step_features
+
+
+@dataclass(frozen=True)
+class Option:
+    where: str  # "prefill" or "colocated"
+    worker: str  # the address of the worker that would prefill
+    ttft_s: float  # predicted time to first token
+    tpot_s: float  # predicted time between tokens of the decode worker's streams meanwhile (0: not predicted)
+    model_s: float = 0.0  # the cost model's TTFT, before the learnt correction (ttft_s is after)
+
+    def describe(self) -> str:
+        return f"{self.where} {self.worker}: TTFT {self.ttft_s:.2f} s, TPOT {self.tpot_s * 1e3:.0f} ms"
+
+
+@dataclass
+class Decision:
+    colocated: bool
+    reason: str  # "model", or why the thresholds decided
+    options: list[Option] = field(default_factory=list)  # best first, by the model
+    decode: str = ""  # colocated: the decode worker predicted fastest, to reserve on first
+    charge: tuple[Worker, float] | None = None  # the chosen worker and the seconds of prompt work it is sent
+    learn: Callable[[str, float, float], None] | None = None  # (where, actual, model's TTFT): Placement.learn
+
+    def first_token(self, seconds: float) -> None:
+        """The attempt's first token came `seconds` after it began: the prediction's error is learnt."""
+        if self.learn is not None and self.reason == "model" and self.options:
+            best = self.options[0]
+            self.learn(best.where, seconds, best.model_s)
+
+    def commit(self) -> None:
+        """The prompt is sent: its work counts in the chosen worker's backlog until the next poll shows it."""
+        if self.charge is not None:
+            worker, seconds = self.charge
+            worker.picked_s += seconds
+            self.charge = None
+
+    @property
+    def predicted_ttft_s(self) -> float | None:
+        return self.options[0].ttft_s if self.reason == "model" and self.options else None
+
+    def explain(self) -> str:
+        if self.reason != "model":
+            return f"{'colocated' if self.colocated else 'prefill'} ({self.reason})"
+        return "; ".join(option.describe() for option in self.options)
+
+
+def _usable(worker: Worker) -> bool:
+    return worker.serving and not worker.breaker.is_open() and worker.info is not None
+
+
+def _pass_coefficients(worker: Worker) -> list[float]:
+    assert worker.info is not None
+    return list(worker.info.costs.pass_coefficients)
+
+
+def _backlog_s(worker: Worker) -> float:
+    assert worker.info is not None
+    return worker.info.backlog_s + worker.picked_s
+
+
+def _prompt_s(worker: Worker, tokens: int) -> float:
+    assert worker.info is not None
+    chunk = worker.info.costs.chunk_tokens
+    return prompt_seconds(_pass_coefficients(worker), tokens, 0, chunk if chunk and tokens > chunk else 0)
+
+
+def _step_s(worker: Worker, batch: int) -> float:
+    """A decode step of `batch` sequences at the worker's current context per sequence, by its step fit."""
+    assert worker.info is not None
+    coefficients = worker.info.costs.step_coefficients
+    if not coefficients:
+        return 0.0
+    running = worker.info.running
+    context = worker.info.running_tokens * batch // running if running else 0
+    return sum(c * x for c, x in zip(coefficients, step_features(batch, context)))
+
+
+MIN_BUDGET_S = 0.001  # a target shorter than a step leaves prompts a layer between two steps (engine/core.py)
+# A colocated prompt shares the decode worker's core with running streams: it must be predicted this much sooner
+# than the best prefill worker, so that near-equal predictions (an idle cluster) keep prompts off decode.
+COLOCATED_MARGIN = 1.1
+FORGET = 0.9  # the correction's memory: each first token weighs 1, the ones before 0.9 times what they weighed
+CORRECTION_RANGE = (0.5, 4.0)
+
+
+class Placement:
+    """Per-attempt placement by predicted TTFT ("model") or by the fixed thresholds alone ("threshold")."""
+
+    def __init__(self, mode: str, colocation: Colocation, ttft_ms: int = 0, tpot_ms: int = 0) -> None:
+        """`ttft_ms`, `tpot_ms`: a request's service level when it asks for none (0: none)."""
+        if mode not in ("model", "threshold"):
+            raise ValueError(f"--placement {mode!r}: expected model or threshold")
+        self.mode = mode
+        self.colocation = colocation
+        self.ttft_ms, self.tpot_ms = ttft_ms, tpot_ms
+        # What the cost model misses (a colocated prompt's passes also wait for joins and the batch's growth),
+        # learnt per kind of choice from every first token: recent actual TTFTs summed over the model's TTFTs for
+        # them, so long prompts, whose placement matters, weigh most, and the fixed costs of a short one little.
+        self.correction = {"prefill": 1.0, "colocated": 1.0}
+        self._sums = {where: [0.0, 0.0] for where in self.correction}  # where -> [actual, model], decayed
+
+    def learn(self, where: str, actual_s: float, model_s: float) -> None:
+        sums = self._sums[where]
+        sums[0] = FORGET * sums[0] + actual_s
+        sums[1] = FORGET * sums[1] + model_s
+        low, high = CORRECTION_RANGE
+        if sums[1] > 0:
+            self.correction[where] = min(high, max(low, sums[0] / sums[1]))
+
+    def with_defaults(self, params: GenerateParams) -> GenerateParams:
+        """The request with the gateway's default service level where it asked for none."""
+        return dataclasses.replace(params, ttft_target_ms=params.ttft_target_ms or self.ttft_ms,
+                                   tpot_target_ms=params.tpot_target_ms or self.tpot_ms)
+
+    def decide(self, prompt_tokens: int, prefill: Pool, decode: Pool, tpot_ms: int = 0) -> Decision:
+        """Where a prompt of `prompt_tokens` runs; `tpot_ms`: the request's time-per-token target (0: none)."""
+        by_threshold = self.colocation.applies(prompt_tokens, prefill)
+        if self.mode == "threshold" or not prefill.workers:
+            return Decision(by_threshold, "threshold" if prefill.workers else "no prefill workers")
+        options = self.options(prompt_tokens, prefill, decode, tpot_ms / 1e3)
+        if options is None:
+            return Decision(by_threshold, "threshold: no costs reported yet")
+        if not options:
+            return Decision(by_threshold, "threshold: no worker serving")
+        best = options[0]
+        chosen = next(w for w in (prefill if best.where == "prefill" else decode).workers if w.address == best.worker)
+        return Decision(best.where == "colocated", "model", options,
+                        decode=best.worker if best.where == "colocated" else "",
+                        charge=(chosen, _prompt_s(chosen, prompt_tokens)), learn=self.learn)
+
+    def options(self, prompt_tokens: int, prefill: Pool, decode: Pool, tpot_s: float = 0.0) -> list[Option] | None:
+        """Every placement, best first (those predicted slower than `tpot_s` per token last); None when a usable
+        worker has reported no costs yet."""
+        prefill_workers = [w for w in prefill.workers if _usable(w)]
+        decode_workers = [w for w in decode.workers if _usable(w)]
+        if any(not _pass_coefficients(w) for w in prefill_workers + decode_workers):
+            return None
+        # the decode worker a disaggregated request would reserve on, and its steps with one more sequence
+        steady = min(decode_workers, key=lambda w: w.load(), default=None)
+        tpot_disaggregated = 0.0 if steady is None else _step_s(steady, steady.info.running + 1)  # type: ignore[union-attr]
+        correct = self.correction
+        options = []
+        for worker in prefill_workers:
+            model = _backlog_s(worker) + _prompt_s(worker, prompt_tokens)
+            options.append(Option("prefill", worker.address, correct["prefill"] * model, tpot_disaggregated, model))
+        for worker in decode_workers:
+            assert worker.info is not None
+            if worker.info.running + worker.info.live_reservations >= worker.info.max_sequences:
+                continue  # no room to reserve
+            work = _backlog_s(worker) + _prompt_s(worker, prompt_tokens)
+            step = _step_s(worker, max(1, worker.info.running))
+            budget = worker.info.pass_budget_s
+            if tpot_s and budget:  # this request's own target bounds the budget while it runs there
+                budget = min(budget, max(MIN_BUDGET_S, tpot_s - step))
+            if worker.info.running and step > 0:
+                slice_s = min(budget, work) if budget > 0 else work
+                ttft = work * (slice_s + step) / slice_s + step
+                tpot = step + (budget if budget > 0 else work)
+            else:
+                ttft, tpot = work, 0.0
+            options.append(Option("colocated", worker.address, correct["colocated"] * ttft, tpot, ttft))
+
+        def rank(option: Option) -> tuple[bool, float]:
+            colocated = option.where == "colocated"
+            return bool(tpot_s) and option.tpot_s > tpot_s, option.ttft_s * (COLOCATED_MARGIN if colocated else 1)
+
+        return sorted(options, key=rank)

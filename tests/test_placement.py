@@ -1,0 +1,171 @@
+"""The latency model and the placement it drives: each worker's least-squares fit of its own passes and steps
+(serving/costs.py), and the gateway's choice of where a prompt runs by predicted time to first token
+(gateway/placement.py). A real cluster's costs and placements are checked in test_placement_cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from gateway.placement import Placement
+from gateway.workers import Colocation, Pool
+from protos import worker_pb2
+from serving.costs import Costs, LinearFit, prompt_seconds
+
+
+def test_the_fit_recovers_a_pass_cost_and_follows_a_slower_machine() -> None:
+    costs = Costs()
+    rng = random.Random(7)
+    truth = (0.004, 0.9, 0.05)  # 4 ms a pass, 0.9 ms a token, and 0.05 ms a token per 1,000 tokens of context
+
+    def true_s(tokens: int, start: int, scale: float = 1.0) -> float:
+        return scale * prompt_seconds(truth, tokens, start)
+
+    for _ in range(60):
+        tokens, start = rng.choice([16, 32, 128, 256, 512]), rng.choice([0, 0, 256, 1024])
+        costs.observe_pass(tokens, start, true_s(tokens, start) * rng.uniform(0.98, 1.02))
+    for got, want in zip(costs.passes.coefficients, truth):
+        assert got == pytest.approx(want, rel=0.15, abs=1e-3)
+    assert costs.prompt_s(1000, 0, 256) == pytest.approx(prompt_seconds(truth, 1000, 0, 256), rel=0.03)
+    # another process takes half the core: recent passes weigh most, so the fit follows within ~100 passes
+    for _ in range(150):
+        tokens, start = rng.choice([16, 128, 512]), rng.choice([0, 512])
+        costs.observe_pass(tokens, start, true_s(tokens, start, scale=2.0))
+    assert costs.prompt_s(1000) == pytest.approx(2 * prompt_seconds(truth, 1000), rel=0.05)
+
+
+def test_a_fit_never_predicts_less_for_more_work() -> None:
+    fit = LinearFit(3)
+    # noise that a free fit would explain with a negative batch coefficient
+    for batch, context, seconds in [(1, 100, 0.020), (8, 100, 0.019), (1, 4000, 0.030), (8, 4000, 0.029),
+                                    (4, 2000, 0.025)]:
+        fit.observe((1.0, batch, context / 1000), seconds)
+    assert all(c >= 0 for c in fit.coefficients)
+    assert fit.predict((1.0, 8, 4.0)) >= fit.predict((1.0, 1, 4.0))
+    assert LinearFit(3).coefficients == [0.0, 0.0, 0.0]  # nothing measured: no prediction
+    fit.observe((1.0, 2, 0.1), float("nan"))  # a broken sample is ignored
+    assert all(c == c for c in fit.coefficients)
+
+
+def test_a_chunked_prompt_costs_its_passes() -> None:
+    coefficients = (0.01, 1.0, 0.0)  # 10 ms a pass, 1 ms a token
+    assert prompt_seconds(coefficients, 1000) == pytest.approx(1.01)
+    assert prompt_seconds(coefficients, 1000, chunk=256) == pytest.approx(1.04)  # four passes
+    assert prompt_seconds(coefficients, 0) == 0
+
+
+def _costs(ms_per_token: float, step_ms: float = 0.0, chunk: int = 256) -> worker_pb2.Costs:
+    return worker_pb2.Costs(pass_coefficients=[0.002, ms_per_token, 0.0], passes=5, chunk_tokens=chunk,
+                            step_coefficients=[step_ms / 1e3, 0.0, 0.0] if step_ms else [], steps=5 if step_ms else 0)
+
+
+def _pools(prefill_backlog_s: float, decode_running: int, decode_backlog_s: float = 0.0,
+           budget_s: float = 0.035) -> tuple[Pool, Pool]:
+    prefill = Pool("prefill", ["127.0.0.1:9100"])
+    decode = Pool("decode", ["127.0.0.1:9200"])
+    prefill.workers[0].info = worker_pb2.WorkerInfo(role="prefill", costs=_costs(4.0), backlog_s=prefill_backlog_s)
+    decode.workers[0].info = worker_pb2.WorkerInfo(
+        role="decode", costs=_costs(4.0, step_ms=20, chunk=32), backlog_s=decode_backlog_s, pass_budget_s=budget_s,
+        running=decode_running, running_tokens=decode_running * 500, max_sequences=64, kv_budget_bytes=1)
+    return prefill, decode
+
+
+def test_a_prompt_goes_where_its_first_token_is_predicted_soonest() -> None:
+    async def scenario() -> None:
+        placement = Placement("model", Colocation(below=512, queued=256))
+        # prefill idle: a document goes there even though it is longer than --colocate-below
+        prefill, decode = _pools(prefill_backlog_s=0.0, decode_running=4)
+        decision = placement.decide(1024, prefill, decode)
+        assert not decision.colocated and decision.reason == "model"
+        assert decision.predicted_ttft_s == pytest.approx(4 * 0.002 + 4.0 * 1.024)  # four 256-token passes
+        colocated = next(o for o in decision.options if o.where == "colocated")
+        # decode's core is shared with its steps (20 ms each, a 35 ms budget between them): slower, and its
+        # streams would wait a step and the budget between tokens
+        assert colocated.ttft_s > decision.predicted_ttft_s and colocated.tpot_s == pytest.approx(0.055)
+        # prefill holds 30 s of prompts: the decode worker's share of its core is the sooner first token
+        prefill, decode = _pools(prefill_backlog_s=30.0, decode_running=4)
+        decision = placement.decide(1024, prefill, decode)
+        assert decision.colocated and decision.decode == "127.0.0.1:9200"
+        assert "colocated 127.0.0.1:9200" in decision.explain() and "prefill 127.0.0.1:9100" in decision.explain()
+        # each prompt sent counts in the worker's backlog until the next poll: a burst spreads over both
+        sent = []
+        for _ in range(12):
+            decision = placement.decide(1024, prefill, decode)
+            decision.commit()
+            sent.append(decision.colocated)
+        assert True in sent and False in sent
+        for pool in (prefill, decode):
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_time_per_token_target_keeps_prompts_off_the_decode_workers() -> None:
+    async def scenario() -> None:
+        prefill, decode = _pools(prefill_backlog_s=30.0, decode_running=4)
+        placement = Placement("model", Colocation(below=512, queued=256))
+        # a 20 ms step leaves a 40 ms target 20 ms between two steps for prompts (35 without a target): half the
+        # core, still sooner than 30 s of queue, and its streams keep their 40 ms
+        strict = placement.decide(1024, prefill, decode, tpot_ms=40)
+        assert strict.colocated and strict.options[0].tpot_s == pytest.approx(0.040)
+        assert strict.predicted_ttft_s == pytest.approx(2 * (32 * 0.002 + 4.096) + 0.020)
+        loose = placement.decide(1024, prefill, decode, tpot_ms=100)
+        assert loose.colocated and loose.predicted_ttft_s < strict.predicted_ttft_s
+        # a target shorter than a step: no colocated choice keeps it, so the prefill queue wins however long
+        assert not placement.decide(1024, prefill, decode, tpot_ms=15).colocated
+        for pool in (prefill, decode):
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_thresholds_decide_until_costs_are_reported_and_with_placement_threshold() -> None:
+    async def scenario() -> None:
+        prefill, decode = _pools(prefill_backlog_s=30.0, decode_running=0)
+        prefill.workers[0].info.queued_tokens = 5000
+        threshold = Placement("threshold", Colocation(below=512, queued=256))
+        decision = threshold.decide(1024, prefill, decode)
+        assert not decision.colocated and decision.reason == "threshold" and decision.predicted_ttft_s is None
+        assert threshold.decide(100, prefill, decode).colocated
+        model = Placement("model", Colocation(below=512, queued=256))
+        decode.workers[0].info.costs.Clear()  # a worker that has measured nothing yet
+        decision = model.decide(1024, prefill, decode)
+        assert decision.reason.startswith("threshold") and not decision.colocated
+        with pytest.raises(ValueError, match="--placement"):
+            Placement("fastest", Colocation())
+        for pool in (prefill, decode):
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_near_equal_predictions_keep_prompts_off_decode_and_errors_are_learnt() -> None:
+    async def scenario() -> None:
+        placement = Placement("model", Colocation(below=512, queued=256))
+        # idle decode worker, same costs as prefill: the same predicted TTFT, and prefill is chosen
+        prefill, decode = _pools(prefill_backlog_s=0.0, decode_running=0)
+        decode.workers[0].info.costs.chunk_tokens = 256
+        decision = placement.decide(1024, prefill, decode)
+        assert not decision.colocated
+        assert [o.ttft_s for o in decision.options][0] == pytest.approx(decision.options[1].ttft_s)
+        # prefill 6 s behind: colocated is predicted sooner, and chosen
+        prefill.workers[0].info.backlog_s = 6.0
+        decision = placement.decide(1024, prefill, decode)
+        assert decision.colocated
+        # ...but its first tokens keep coming 3x later than the cost model says: the correction learns it
+        model_ttft = decision.options[0].model_s
+        prefill.workers[0].info.backlog_s = 100.0  # (colocated stays the choice meanwhile)
+        for _ in range(40):
+            colocated = placement.decide(1024, prefill, decode)
+            assert colocated.colocated
+            colocated.first_token(3 * model_ttft)
+        assert placement.correction["colocated"] == pytest.approx(3.0, rel=0.05)
+        # and 6 s of prefill queue is the sooner first token again
+        prefill.workers[0].info.backlog_s = 6.0
+        assert not placement.decide(1024, prefill, decode).colocated
+        for pool in (prefill, decode):
+            await pool.close()
+
+    asyncio.run(scenario())
