@@ -383,7 +383,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def GetInfo(
         self, request: worker_pb2.WorkerInfoRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerInfo:
-        return worker_pb2.WorkerInfo(
+        return self.engine.report_costs(worker_pb2.WorkerInfo(
             role="decode",
             model=model_info(self.spec),
             live_reservations=self.table.awaiting_kv,
@@ -394,12 +394,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             kv_budget_bytes=self.table.kv_budget_bytes,
             pid=os.getpid(),
             live_buffer_bytes=self.lender.lent_bytes,
-            costs=self.engine.cost_model(),
-            backlog_s=self.engine.backlog_s(),
-            pass_budget_s=self.engine.pass_budget_s(),
-            running=self.engine.running,
-            running_tokens=self.engine.running_tokens,
-        )
+        ))
 
     async def _params(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext) -> DecodeParams:
         try:

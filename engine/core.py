@@ -157,18 +157,24 @@ class EngineCore:
         except Exception:
             log.exception("calibrating the prompt-pass costs failed; they are fitted from the passes served")
 
-    def cost_model(self) -> worker_pb2.Costs:
-        """Its latency model as WorkerInfo reports it."""
+    def report_costs(self, info: worker_pb2.WorkerInfo) -> worker_pb2.WorkerInfo:
+        """`info` with its latency model and what it holds by that model: the fields the gateway places by."""
         costs = self.costs
-        return worker_pb2.Costs(
+        info.costs.CopyFrom(worker_pb2.Costs(
             pass_coefficients=costs.passes.coefficients if costs.passes.samples else [],
             step_coefficients=costs.steps.coefficients if costs.steps.samples else [],
-            passes=costs.passes.samples, steps=costs.steps.samples, chunk_tokens=self.prompts.chunk_tokens)
+            passes=costs.passes.samples, steps=costs.steps.samples, chunk_tokens=self.prompts.chunk_tokens))
+        info.backlog_s, info.short_backlog_s, info.long_prompts = self.backlog()
+        if self.batch is not None:
+            info.pass_budget_s, info.running, info.running_tokens = (self.pass_budget_s(), self.running,
+                                                                      self.running_tokens)
+        return info
 
-    def backlog_s(self) -> float:
-        """Predicted seconds until the prompts queued or running here are done (serving/costs.py)."""
+    def backlog(self) -> tuple[float, float, int]:
+        """Predicted seconds until the prompts queued or running here are done, the short prompts' part of it,
+        and the long prompts waiting (PromptQueue.backlog)."""
         with self._wake:
-            return self.prompts.backlog_s()
+            return self.prompts.backlog()
 
     @property
     def running_tokens(self) -> int:

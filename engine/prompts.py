@@ -125,14 +125,25 @@ class PromptQueue:
                 prefill_pass(self.runner, [[0] * tokens], cache)
                 self.costs.observe_pass(tokens, start, time.perf_counter() - started)
 
-    def backlog_s(self) -> float:
-        """Predicted seconds to finish every prompt queued or running, by the pass fit (under the lock)."""
+    def backlog(self) -> tuple[float, float, int]:
+        """By the pass fit (under the lock): predicted seconds to finish every prompt queued or running, the part
+        of it that is short prompts, and how many long prompts wait. A new short prompt waits only for the short
+        ones and one chunk of a long one (scheduler.py); a new long prompt waits for all."""
         if self.costs is None:
-            return 0.0
+            return 0.0, 0.0, 0
         coefficients = self.costs.passes.coefficients
-        return sum(prompt_seconds(coefficients, len(job.token_ids) - job.done, job.done,
-                                  self.chunk_tokens if self._scheduler.is_long(job) else 0)
-                   for job in self._scheduler.waiting())
+        total = short = 0.0
+        longs = 0
+        for job in self._scheduler.waiting():
+            is_long = self._scheduler.is_long(job)
+            seconds = prompt_seconds(coefficients, len(job.token_ids) - job.done, job.done,
+                                     self.chunk_tokens if is_long else 0)
+            total += seconds
+            if is_long:
+                longs += 1
+            else:
+                short += seconds
+        return total, short, longs
 
     def _layer_done(self) -> None:
         """A layer boundary of the pass under way: the decode step that may run there is timed apart."""

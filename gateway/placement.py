@@ -43,7 +43,7 @@ class Decision:
     reason: str  # "model", or why the thresholds decided
     options: list[Option] = field(default_factory=list)  # best first, by the model
     decode: str = ""  # colocated: the decode worker predicted fastest, to reserve on first
-    charge: tuple[Worker, float] | None = None  # the chosen worker and the seconds of prompt work it is sent
+    charge: tuple[Worker, float, bool] | None = None  # the chosen worker, the prompt work it is sent, and if short
     learn: Callable[[str, float, float], None] | None = None  # (where, actual, model's TTFT): Placement.learn
 
     def first_token(self, seconds: float) -> None:
@@ -55,8 +55,10 @@ class Decision:
     def commit(self) -> None:
         """The prompt is sent: its work counts in the chosen worker's backlog until the next poll shows it."""
         if self.charge is not None:
-            worker, seconds = self.charge
+            worker, seconds, short = self.charge
             worker.picked_s += seconds
+            if short:
+                worker.picked_short_s += seconds
             self.charge = None
 
     @property
@@ -78,9 +80,24 @@ def _pass_coefficients(worker: Worker) -> list[float]:
     return list(worker.info.costs.pass_coefficients)
 
 
-def _backlog_s(worker: Worker) -> float:
+def _wait_s(worker: Worker, tokens: int) -> float:
+    """How long a new prompt of `tokens` would wait in the worker's queue: a short one (a chunk at most) for the
+    short prompts and one chunk of a long one, which take turns with them (engine/scheduler.py); a long one for
+    everything. Prompts this gateway sent since the last poll count too."""
+    info = worker.info
+    assert info is not None
+    chunk = info.costs.chunk_tokens
+    if _is_short(worker, tokens):
+        longs = info.long_prompts or worker.picked_s > worker.picked_short_s
+        long_pass = prompt_seconds(_pass_coefficients(worker), chunk) if longs else 0.0
+        return info.short_backlog_s + worker.picked_short_s + long_pass
+    return info.backlog_s + worker.picked_s
+
+
+def _is_short(worker: Worker, tokens: int) -> bool:
+    """Whether the worker's scheduler would batch the prompt rather than chunk it."""
     assert worker.info is not None
-    return worker.info.backlog_s + worker.picked_s
+    return tokens <= worker.info.costs.chunk_tokens
 
 
 def _prompt_s(worker: Worker, tokens: int) -> float:
@@ -151,7 +168,8 @@ class Placement:
         chosen = next(w for w in (prefill if best.where == "prefill" else decode).workers if w.address == best.worker)
         return Decision(best.where == "colocated", "model", options,
                         decode=best.worker if best.where == "colocated" else "",
-                        charge=(chosen, _prompt_s(chosen, prompt_tokens)), learn=self.learn)
+                        charge=(chosen, _prompt_s(chosen, prompt_tokens), _is_short(chosen, prompt_tokens)),
+                        learn=self.learn)
 
     def options(self, prompt_tokens: int, prefill: Pool, decode: Pool, tpot_s: float = 0.0) -> list[Option] | None:
         """Every placement, best first (those predicted slower than `tpot_s` per token last); None when a usable
@@ -166,13 +184,13 @@ class Placement:
         correct = self.correction
         options = []
         for worker in prefill_workers:
-            model = _backlog_s(worker) + _prompt_s(worker, prompt_tokens)
+            model = _wait_s(worker, prompt_tokens) + _prompt_s(worker, prompt_tokens)
             options.append(Option("prefill", worker.address, correct["prefill"] * model, tpot_disaggregated, model))
         for worker in decode_workers:
             assert worker.info is not None
             if worker.info.running + worker.info.live_reservations >= worker.info.max_sequences:
                 continue  # no room to reserve
-            work = _backlog_s(worker) + _prompt_s(worker, prompt_tokens)
+            work = _wait_s(worker, prompt_tokens) + _prompt_s(worker, prompt_tokens)
             step = _step_s(worker, max(1, worker.info.running))
             budget = worker.info.pass_budget_s
             if tpot_s and budget:  # this request's own target bounds the budget while it runs there

@@ -85,6 +85,7 @@ class Worker:
     serving: bool = True  # its health check says SERVING (False while it drains or is unreachable)
     picked: int = 0  # requests sent its way since `info` was read: the load the next poll will show
     picked_s: float = 0.0  # predicted seconds of prompt work sent its way since `info` was read (placement.py)
+    picked_short_s: float = 0.0  # the part of it that is short prompts (a chunk at most)
     prefilling_tokens: int = 0  # prefill: prompt tokens this gateway sent that have no first token yet
     calls: int = 0  # request calls open on its channel (journey.run counts them)
 
@@ -366,7 +367,7 @@ class Pool:
                 worker.info, worker.serving = info, False
                 return
             worker.serving = health.status == health_pb2.HealthCheckResponse.SERVING
-            worker.info, worker.picked, worker.picked_s = info, 0, 0.0
+            worker.info, worker.picked, worker.picked_s, worker.picked_short_s = info, 0, 0.0, 0.0
         except grpc.aio.AioRpcError as exc:
             if worker.serving:
                 log.warning("%s worker %s: %s", self.role, worker.address, exc.details())

@@ -444,10 +444,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def GetInfo(
         self, request: worker_pb2.WorkerInfoRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerInfo:
-        return worker_pb2.WorkerInfo(role="prefill", model=model_info(self.spec), live_sequences=self.engine.live_jobs,
-                                     queued_tokens=self.engine.queued_tokens, pid=os.getpid(),
-                                     prefix_block_tokens=self.config.prefix_block_tokens,
-                                     costs=self.engine.cost_model(), backlog_s=self.engine.backlog_s())
+        return self.engine.report_costs(worker_pb2.WorkerInfo(
+            role="prefill", model=model_info(self.spec), live_sequences=self.engine.live_jobs,
+            queued_tokens=self.engine.queued_tokens, pid=os.getpid(),
+            prefix_block_tokens=self.config.prefix_block_tokens))
 
     async def close(self) -> None:
         await self._channels.close()

@@ -169,3 +169,20 @@ def test_near_equal_predictions_keep_prompts_off_decode_and_errors_are_learnt() 
             await pool.close()
 
     asyncio.run(scenario())
+
+
+def test_a_short_prompt_waits_for_one_chunk_of_a_long_one_not_for_the_queue() -> None:
+    async def scenario() -> None:
+        placement = Placement("model", Colocation(below=512, queued=256))
+        prefill, decode = _pools(prefill_backlog_s=30.0, decode_running=4)
+        info = prefill.workers[0].info
+        info.short_backlog_s, info.long_prompts = 0.2, 3  # three documents queued, 0.2 s of chats
+        chat = next(o for o in placement.decide(20, prefill, decode).options if o.where == "prefill")
+        # the chats ahead, one 256-token chunk of a document (the scheduler's turn), then its own pass
+        assert chat.ttft_s == pytest.approx(0.2 + (0.002 + 4.0 * 0.256) + (0.002 + 4.0 * 0.020))
+        document = next(o for o in placement.decide(1024, prefill, decode).options if o.where == "prefill")
+        assert document.ttft_s == pytest.approx(30.0 + 4 * 0.002 + 4.0 * 1.024)  # behind everything
+        for pool in (prefill, decode):
+            await pool.close()
+
+    asyncio.run(scenario())
