@@ -186,3 +186,18 @@ def test_a_short_prompt_waits_for_one_chunk_of_a_long_one_not_for_the_queue() ->
             await pool.close()
 
     asyncio.run(scenario())
+
+
+def test_the_prediction_error_is_read_from_the_gateway_log() -> None:
+    from bench.placement_error import ratios, summary
+
+    lines = [
+        "INFO gateway.server: [a] finished (length): 9 prompt + 4 tokens, TTFT 1100 ms, total 1300 ms, 0 retries, "
+        "0 migrations; placed: prefill 127.0.0.1:1: TTFT 1.00 s, TPOT 0 ms; colocated 127.0.0.1:2: TTFT 2.00 s, TPOT 0 ms",
+        "INFO gateway.server: [b] finished (length): 9 prompt + 4 tokens, TTFT 3000 ms, total 3100 ms, 0 retries, "
+        "0 migrations; placed: colocated 127.0.0.1:2: TTFT 2.00 s, TPOT 40 ms; prefill 127.0.0.1:1: TTFT 4.00 s, TPOT 0 ms",
+        "INFO gateway.server: [c] finished (length): 9 prompt + 4 tokens, TTFT 900 ms, total 950 ms, 0 retries, "
+        "0 migrations; placed: prefill (threshold)",
+    ]
+    assert ratios(lines) == [("prefill", pytest.approx(1.1)), ("colocated", pytest.approx(1.5))]
+    assert summary(ratios(lines)).startswith("all: n=2 median 1.30")
