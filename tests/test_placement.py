@@ -193,9 +193,11 @@ def test_the_prediction_error_is_read_from_the_gateway_log() -> None:
 
     lines = [
         "INFO gateway.server: [a] finished (length): 9 prompt + 4 tokens, TTFT 1100 ms, total 1300 ms, 0 retries, "
-        "0 migrations; placed: prefill 127.0.0.1:1: TTFT 1.00 s, TPOT 0 ms; colocated 127.0.0.1:2: TTFT 2.00 s, TPOT 0 ms",
+        "0 migrations; placed: prefill 127.0.0.1:1: TTFT 1.00 s, TPOT 0 ms; colocated 127.0.0.1:2: TTFT 2.00 s, "
+        "TPOT 0 ms",
         "INFO gateway.server: [b] finished (length): 9 prompt + 4 tokens, TTFT 3000 ms, total 3100 ms, 0 retries, "
-        "0 migrations; placed: colocated 127.0.0.1:2: TTFT 2.00 s, TPOT 40 ms; prefill 127.0.0.1:1: TTFT 4.00 s, TPOT 0 ms",
+        "0 migrations; placed: colocated 127.0.0.1:2: TTFT 2.00 s, TPOT 40 ms; prefill 127.0.0.1:1: TTFT 4.00 s, "
+        "TPOT 0 ms",
         "INFO gateway.server: [c] finished (length): 9 prompt + 4 tokens, TTFT 900 ms, total 950 ms, 0 retries, "
         "0 migrations; placed: prefill (threshold)",
     ]
