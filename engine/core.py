@@ -255,17 +255,18 @@ class EngineCore:
                 log.exception("decode step between prompt layers failed")
 
     def pass_budget_s(self) -> float:
-        """How long a colocated prompt pass may run since the last decode step: the strictest time-per-token
-        target of the running sequences less a recent step, if any has one; else `prompt_pass_s`, or `pass_steps`
-        recent steps if that is less. 0: passes run whole."""
+        """How long a colocated prompt pass may run since the last decode step, the least any running sequence
+        allows: one with a time-per-token target allows that target less a recent step; one without, the default
+        budget, `prompt_pass_s` or `pass_steps` recent steps if that is less. 0: passes run whole."""
         if not self._prompt_pass_s or self.batch is None:
             return 0.0
-        targets = [seq.tpot_target_s for seq in list(self.batch.running) if seq.tpot_target_s]
-        if targets:
-            return max(0.0, min(targets) - self._step_s)
+        default = self._prompt_pass_s
         if self._pass_steps and self._step_s:
-            return min(self._prompt_pass_s, self._pass_steps * self._step_s)
-        return self._prompt_pass_s
+            default = min(default, self._pass_steps * self._step_s)
+        running = list(self.batch.running)
+        if not any(seq.tpot_target_s for seq in running):
+            return default
+        return max(0.0, min(seq.tpot_target_s - self._step_s if seq.tpot_target_s else default for seq in running))
 
     def _prompt_done(self, seq: Sequence, outcome: Prefilled | BaseException) -> None:
         """A colocated prompt's pass ended: its first token goes out, and it joins the batch."""

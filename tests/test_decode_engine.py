@@ -9,6 +9,7 @@ import torch
 
 import engine.prompts as prompts_module
 from engine.core import EngineCore
+from engine.sequence import Sequence
 from model_runner import forward
 from model_runner.loading import LoadedModel
 from protos.types import SamplingParams
@@ -114,6 +115,25 @@ def test_a_colocated_pass_pauses_between_layers_for_decode_steps_and_every_strea
     # 3. Both decode as they do alone, and nothing is held
     assert [running.tokens, colocated[0].tokens] == expected
     assert engine.live_sequences == 0
+
+
+def test_the_pass_budget_is_the_least_any_running_sequence_allows(tiny_runner: LoadedModel) -> None:
+    engine = EngineCore(tiny_runner, kv_blocks=8, prompt_pass_s=0.035)
+    assert engine.batch is not None
+    engine._step_s = 0.020  # a recent decode step
+
+    def running(*targets_s: float) -> float:
+        assert engine.batch is not None
+        engine.batch.running = [Sequence(f"r{i}", 4, 8, SamplingParams(), frozenset(), lambda ids, reason: None,
+                                         tpot_target_s=target) for i, target in enumerate(targets_s)]
+        return engine.pass_budget_s()
+
+    assert running() == running(0.0) == pytest.approx(0.035)  # no target: --prefill-pass-ms
+    assert running(0.2) == pytest.approx(0.18)  # a 200 ms target less a 20 ms step
+    assert running(0.2, 0.0) == pytest.approx(0.035)  # a stream without a target keeps the default
+    assert running(0.2, 0.05) == pytest.approx(0.03)  # the strictest target holds
+    assert running(0.01) == 0.0  # a target shorter than a step: a step at every layer boundary
+    assert EngineCore(tiny_runner, kv_blocks=8, prompt_pass_s=0.0).pass_budget_s() == 0.0  # passes run whole
 
 
 def test_a_colocated_prompt_takes_the_blocks_of_a_sequence_aborted_in_the_same_step(runner: LoadedModel) -> None:
