@@ -72,8 +72,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _cluster(model: str, prefill: int = 2, decode: int = 2, decode_args: tuple[str, ...] = (),
              gateway_args: tuple[str, ...] = ()) -> Cluster:
+    # every prompt disaggregated (--placement threshold, nothing colocated): each experiment breaks a known path
     return start(ClusterConfig(prefill=prefill, decode=decode, model=model, threads=1, startup_timeout_s=300,
-                               colocate_below=0, decode_args=decode_args, gateway_args=gateway_args))
+                               colocate_below=0, decode_args=decode_args,
+                               gateway_args=("--placement=threshold", *gateway_args)))
 
 
 def _held(cluster: Cluster) -> dict[str, float]:

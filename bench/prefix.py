@@ -57,9 +57,11 @@ def run(args: argparse.Namespace) -> int:
                               "requests": args.requests, "multi_turn": {}}
     for mode in MODES:
         cache_mb = "0" if mode == "off" else "512"
+        # every prompt on the prefill worker, whose prefix cache is measured (--placement threshold, nothing
+        # colocated)
         cluster = start(ClusterConfig(prefill=1, decode=1, model=model, colocate_below=0,
                                       prefill_args=(f"--prefix-cache-mb={cache_mb}",),
-                                      startup_timeout_s=300))
+                                      gateway_args=("--placement=threshold",), startup_timeout_s=300))
         try:
             address, metrics = cluster.gateway.address, cluster.prefill[0].metrics
             result[mode] = _measure(address, metrics, [system + q for q in questions], max_tokens=2)

@@ -111,7 +111,7 @@ def start_mode(mode: str, model_dir: Path, args: argparse.Namespace) -> Cluster:
     return start(ClusterConfig(
         prefill=0 if mode == "colocated" else 1, decode=1, model=str(model_dir),
         decode_args=(f"--max-seqs={args.max_seqs}", f"--prefill-chunk={args.prefill_chunk}"),
-        colocate_below=args.colocate_below))
+        colocate_below=args.colocate_below, gateway_args=("--placement=threshold",)))  # the modes as configured
 
 
 def run(args: argparse.Namespace) -> int:
