@@ -76,7 +76,8 @@ def two_hosts(tiny_model_dir: Path, peer_namespace: str) -> Iterator[tuple[Clust
             proxy = FaultProxy(decode.address)
             gateway = spawn_service("gateway", "gateway", [
                 "--host", "127.0.0.1", "--port", "0", "--model", str(tiny_model_dir), "--http-port", "-1",
-                "--colocate-below", "0", f"--prefill={services[1].address}", f"--decode={proxy.address}"])
+                "--colocate-below", "0", "--placement=threshold",  # every prompt's KV crosses the link
+                f"--prefill={services[1].address}", f"--decode={proxy.address}"])
             services.append(gateway)
             wait_ready([gateway], 60)
             cluster = Cluster(gateway, [services[1]], [decode])
