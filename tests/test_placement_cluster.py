@@ -99,6 +99,21 @@ def test_bad_service_levels_are_refused_by_name(cluster: Cluster, slo: object, n
     assert status == 400 and named in body["error"]["message"], body
 
 
+@pytest.mark.parametrize("slo, named", [
+    (gateway_pb2.Slo(tpot_ms=60_001), "slo.tpot_ms 60001"),
+    (gateway_pb2.Slo(ttft_ms=3_600_001), "slo.ttft_ms 3600001"),
+    (gateway_pb2.Slo(refuse_late=True), "slo.refuse_late needs slo.ttft_ms"),
+])
+def test_bad_service_levels_are_invalid_argument_over_grpc(cluster: Cluster, slo: gateway_pb2.Slo,
+                                                           named: str) -> None:
+    with grpc.insecure_channel(cluster.gateway.address) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            list(gateway_pb2_grpc.GatewayStub(channel).Generate(
+                gateway_pb2.GenerateRequest(prompt="Hi", max_tokens=2, slo=slo), timeout=60))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert named in (refused.value.details() or "")
+
+
 def test_a_decode_worker_refuses_a_time_per_token_target_past_a_minute(cluster: Cluster) -> None:
     with grpc.insecure_channel(cluster.decode[0].address) as channel:
         with pytest.raises(grpc.RpcError) as refused:
