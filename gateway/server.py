@@ -487,12 +487,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         yield response
             except asyncio.CancelledError:
                 cancelled = True
-                phase = "decoding" if generated else "before first token"
-                span.add_event("cancelled", {"pdserve.phase": phase, "pdserve.tokens_sent": generated})
-                log.info("cancelled %s, after %d tokens", phase, generated)
+                _record_cancel(span, generated)
                 raise
             except GeneratorExit:  # closed before its end: the client left mid-write, or a Cancel waited for one
                 cancelled = not finished
+                if cancelled:  # the same trace event and log line as a cancel between two writes
+                    _record_cancel(span, generated)
                 raise
             except GatewayError as exc:
                 cancelled = exc.code == grpc.StatusCode.CANCELLED  # by a Cancel call
@@ -638,6 +638,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 if finish:
                     return
         raise GatewayError(grpc.StatusCode.INTERNAL, "workers ended the stream without a finish reason")
+
+
+def _record_cancel(span: trace.Span, generated: int) -> None:
+    """A request its client cancelled or left: where it was, on its span and in the log."""
+    phase = "decoding" if generated else "before first token"
+    span.add_event("cancelled", {"pdserve.phase": phase, "pdserve.tokens_sent": generated})
+    log.info("cancelled %s, after %d tokens", phase, generated)
 
 
 def _timing(timings: Timings, arrived: float, first_at: float, generated: int) -> gateway_pb2.Timing:
