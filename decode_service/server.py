@@ -54,7 +54,7 @@ from model_runner.loading import LoadedModel, ModelConfig, add_model_args, model
 from model_runner.paged_cache import BLOCK_SIZE
 from protos import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, worker_pb2
 from protos.convert import model_info, sampling_from_pb
-from protos.types import check_cache_salt
+from protos.types import MAX_TPOT_TARGET_MS, check_cache_salt
 from serving import logs, tracing
 from serving import server as serving
 from serving.metrics import Metrics
@@ -65,7 +65,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_KV_BUDGET_MB = 2048  # the paged KV cache: 64 sequences of ~700 tokens of the default model in fp32
 MIN_HEARTBEAT_MS = 50  # a colocated prompt's `prefilling` events: no caller may ask for a flood
-MAX_TPOT_TARGET_MS = 60_000  # a target past a minute a token asks for nothing a stream could use
 
 
 @dataclass(frozen=True)

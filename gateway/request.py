@@ -19,7 +19,7 @@ from jinja2 import TemplateError
 
 from gateway.errors import InvalidRequest
 from protos import gateway_pb2
-from protos.types import SamplingParams, check_cache_salt
+from protos.types import MAX_TPOT_TARGET_MS, SamplingParams, check_cache_salt
 
 DEFAULT_MAX_TOKENS = 128
 MAX_REQUEST_ID_CHARS = 128
@@ -228,7 +228,6 @@ async def parse_request(
 
 
 MAX_TTFT_TARGET_MS = 3_600_000
-MAX_TPOT_TARGET_MS = 60_000  # as the decode workers accept (decode_service/server.py)
 
 
 def check_slo(slo: gateway_pb2.Slo) -> None:

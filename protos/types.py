@@ -20,6 +20,9 @@ MAX_TEMPERATURE = 2.0
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # the compute and KV dtypes a worker serves, by name
 # A cache_salt names a prefix-cache namespace (block_names); the cap bounds what one request adds to each hash.
 MAX_CACHE_SALT_CHARS = 256
+# A time-per-token target past a minute asks for nothing a stream could use (gateway Slo.tpot_ms, decode's
+# DecodeRequest.tpot_target_ms).
+MAX_TPOT_TARGET_MS = 60_000
 
 
 def check_cache_salt(salt: str) -> None:
