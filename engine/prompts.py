@@ -112,18 +112,37 @@ class PromptQueue:
         self.costs = costs
         self._paused = 0.0  # seconds the pass under way spent in between_layers
 
-    def calibrate(self, sizes: tuple[int, ...] = (16, 128)) -> None:
+    def calibrate(self, sizes: tuple[int, ...] = (16, 128), rounds: int = 8, agree: float = 0.1) -> None:
         """Before serving (no pass may run beside it): a pass of each size, and one more of the largest after it
-        (a chunk with context), timed into the pass fit, so the first requests are placed by measured costs too."""
+        (a chunk with context), timed into the pass fit, so the first requests are placed by measured costs too.
+
+        Services start side by side, and another one loading its model takes cores from these passes: each shape
+        is timed in rounds until two rounds' times agree within `agree` (at most `rounds`), and only its fastest
+        time is fitted. Contention only ever adds time, so the least is the pass's own cost."""
         if self.costs is None:
             return
         prefill_pass(self.runner, [[0] * min(sizes)], WatchedCache())  # untimed: a first pass sets things up
-        for tokens in sizes:
+        shapes = [(tokens, start) for tokens in sizes for start in ((0, tokens) if tokens == max(sizes) else (0,))]
+        best: dict[tuple[int, int], float] = {}
+        on_cpu = self.runner.device.type == "cpu"
+        for _ in range(rounds):
+            times: dict[tuple[int, int], float] = {}
             cache = WatchedCache()
-            for start in (0, tokens) if tokens == max(sizes) else (0,):
-                started = time.perf_counter()
+            for tokens, start in shapes:
+                if start == 0:
+                    cache = WatchedCache()
+                started, cpu_started = time.perf_counter(), time.process_time()
                 prefill_pass(self.runner, [[0] * tokens], cache)
-                self.costs.observe_pass(tokens, start, time.perf_counter() - started)
+                wall = time.perf_counter() - started
+                # on a CPU, the time this process ran over its threads: what a neighbour's load cannot add to
+                cpu = (time.process_time() - cpu_started) / torch.get_num_threads() if on_cpu else wall
+                times[tokens, start] = min(wall, cpu)
+            settled = bool(best) and all(abs(times[s] - best[s]) <= agree * best[s] for s in shapes)
+            best = {s: min(times[s], best.get(s, times[s])) for s in shapes}
+            if settled:
+                break
+        for (tokens, start), seconds in best.items():
+            self.costs.observe_pass(tokens, start, seconds)
 
     def backlog(self) -> tuple[float, float, int]:
         """By the pass fit (under the lock): predicted seconds to finish every prompt queued or running, the part

@@ -119,8 +119,13 @@ def _step_s(worker: Worker, batch: int) -> float:
 
 MIN_BUDGET_S = 0.001  # a target shorter than a step leaves prompts a layer between two steps (engine/core.py)
 # A colocated prompt shares the decode worker's core with running streams: it must be predicted this much sooner
-# than the best prefill worker, so that near-equal predictions (an idle cluster) keep prompts off decode.
+# than the best prefill worker, so that near-equal predictions keep prompts off decode.
 COLOCATED_MARGIN = 1.1
+# While a prefill worker could start the prompt at once, colocating it gains no queue, only the difference between
+# two workers' fits of the same pass, which is their calibration's noise when they run on alike cores (up to ~1.3x
+# between services started side by side on 2 oversubscribed cores): colocated then goes first only when predicted
+# this much sooner, as on a decode device faster than prefill's.
+IDLE_PREFILL_MARGIN = 2.0
 FORGET = 0.9  # the correction's memory: each first token weighs 1, the ones before 0.9 times what they weighed
 CORRECTION_RANGE = (0.5, 4.0)
 
@@ -183,8 +188,11 @@ class Placement:
         tpot_disaggregated = 0.0 if steady is None else _step_s(steady, steady.info.running + 1)  # type: ignore[union-attr]
         correct = self.correction
         options = []
+        prefill_idle = False
         for worker in prefill_workers:
-            model = _wait_s(worker, prompt_tokens) + _prompt_s(worker, prompt_tokens)
+            wait = _wait_s(worker, prompt_tokens)
+            prefill_idle = prefill_idle or wait == 0
+            model = wait + _prompt_s(worker, prompt_tokens)
             options.append(Option("prefill", worker.address, correct["prefill"] * model, tpot_disaggregated, model))
         for worker in decode_workers:
             assert worker.info is not None
@@ -205,6 +213,7 @@ class Placement:
 
         def rank(option: Option) -> tuple[bool, float]:
             colocated = option.where == "colocated"
-            return bool(tpot_s) and option.tpot_s > tpot_s, option.ttft_s * (COLOCATED_MARGIN if colocated else 1)
+            margin = (IDLE_PREFILL_MARGIN if prefill_idle else COLOCATED_MARGIN) if colocated else 1
+            return bool(tpot_s) and option.tpot_s > tpot_s, option.ttft_s * margin
 
         return sorted(options, key=rank)
