@@ -189,6 +189,7 @@ async def _with_failover(
                 if timings.attempt_ttft_s is None and tokens.token_ids:
                     timings.attempt_ttft_s = loop.time() - began
                     decision.first_token(timings.attempt_ttft_s)
+                    decision.release()
                     trace.get_current_span().set_attribute("pdserve.placement.ttft_s", timings.attempt_ttft_s)
                 sent += tokens.token_ids
                 yield tokens
@@ -196,12 +197,14 @@ async def _with_failover(
                     return
             return
         except NoDecodeCapacity:
+            decision.release()
             # decode capacity is reserved before any prefill starts: wait for room, as a queue would
             if loop.time() + poll >= min(capacity_until, deadline or math.inf):
                 raise
             await asyncio.sleep(poll)
             poll = min(poll * 2, 0.2)
         except GatewayError as exc:
+            decision.release()
             if exc.worker is not None and exc.code == grpc.StatusCode.UNAVAILABLE:
                 exc.worker.failed()
             # e.g. max_tokens=1: prefill's token was the whole answer, and decode failed before saying so

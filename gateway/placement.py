@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from gateway.request import GenerateParams
 from gateway.workers import Colocation, Pool, Worker
-from serving.costs import prompt_seconds, step_features
+from serving.costs import LinearFit, prompt_seconds, step_features
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ class Decision:
     decode: str = ""  # colocated: the decode worker predicted fastest, to reserve on first
     charge: tuple[Worker, float, bool] | None = None  # the chosen worker, the prompt work it is sent, and if short
     learn: Callable[[str, float, float], None] | None = None  # (where, actual, model's TTFT): Placement.learn
+    charged: object = None  # the worker's WorkerInfo when `commit` charged it; None: nothing charged
 
     def first_token(self, seconds: float) -> None:
         """The attempt's first token came `seconds` after it began: the prediction's error is learnt."""
@@ -53,13 +54,27 @@ class Decision:
             self.learn(best.where, seconds, best.model_s)
 
     def commit(self) -> None:
-        """The prompt is sent: its work counts in the chosen worker's backlog until the next poll shows it."""
-        if self.charge is not None:
-            worker, seconds, short = self.charge
-            worker.picked_s += seconds
+        """The prompt is sent: its work counts in the chosen worker's backlog until the next poll reads the worker,
+        or until the prompt is done (`release`), whichever comes first."""
+        if self.charge is None or self.charged is not None:
+            return
+        worker, seconds, short = self.charge
+        worker.picked_s += seconds
+        if short:
+            worker.picked_short_s += seconds
+        self.charged = worker.info
+
+    def release(self) -> None:
+        """The prompt is done (its first token came) or failed: its work no longer waits on the worker. After a
+        poll of the worker (a new `info`) the charge is gone already, and the poll tells the rest."""
+        if self.charge is None or self.charged is None:
+            return
+        worker, seconds, short = self.charge
+        if worker.info is self.charged:
+            worker.picked_s = max(0.0, worker.picked_s - seconds)
             if short:
-                worker.picked_short_s += seconds
-            self.charge = None
+                worker.picked_short_s = max(0.0, worker.picked_short_s - seconds)
+        self.charge = self.charged = None
 
     @property
     def predicted_ttft_s(self) -> float | None:
@@ -127,7 +142,11 @@ COLOCATED_MARGIN = 1.1
 # this much sooner, as on a decode device faster than prefill's.
 IDLE_PREFILL_MARGIN = 2.0
 FORGET = 0.9  # the correction's memory: each first token weighs 1, the ones before 0.9 times what they weighed
-CORRECTION_RANGE = (0.5, 4.0)
+# The correction before any first token, and what it keeps to where first tokens cannot tell its terms apart: none
+# (first tokens at 0 s and at 1 s, predicted as such, each weighing a quarter of a first token, never fading; a
+# sample of weight w is written as features and seconds times the square root of w).
+NO_CORRECTION = (((0.5, 0.0), 0.0), ((0.5, 0.5), 0.5))
+LEAST_SCALE = 0.5  # a corrected TTFT is never below half the model's
 
 
 class Placement:
@@ -140,19 +159,19 @@ class Placement:
         self.mode = mode
         self.colocation = colocation
         self.ttft_ms, self.tpot_ms = ttft_ms, tpot_ms
-        # What the cost model misses (a colocated prompt's passes also wait for joins and the batch's growth),
-        # learnt per kind of choice from every first token: recent actual TTFTs summed over the model's TTFTs for
-        # them, so long prompts, whose placement matters, weigh most, and the fixed costs of a short one little.
-        self.correction = {"prefill": 1.0, "colocated": 1.0}
-        self._sums = {where: [0.0, 0.0] for where in self.correction}  # where -> [actual, model], decayed
+        # What the cost model misses, learnt per kind of choice from every first token as actual = fixed + scale *
+        # model: a fixed part (the gateway's hops, a disaggregated prompt's KV handoff, which the passes do not
+        # hold) and a scale (a colocated prompt's passes also wait for joins and the batch's growth). Fitting
+        # both keeps a short prompt's fixed costs from multiplying a long prompt's prediction.
+        self.correction = {where: LinearFit(2, forget=FORGET, prior=NO_CORRECTION)
+                           for where in ("prefill", "colocated")}
 
     def learn(self, where: str, actual_s: float, model_s: float) -> None:
-        sums = self._sums[where]
-        sums[0] = FORGET * sums[0] + actual_s
-        sums[1] = FORGET * sums[1] + model_s
-        low, high = CORRECTION_RANGE
-        if sums[1] > 0:
-            self.correction[where] = min(high, max(low, sums[0] / sums[1]))
+        self.correction[where].observe((1.0, model_s), actual_s)
+
+    def corrected(self, where: str, model_s: float) -> float:
+        """The model's TTFT for a choice of this kind, with what first tokens showed it misses."""
+        return max(LEAST_SCALE * model_s, self.correction[where].predict((1.0, model_s)))
 
     def with_defaults(self, params: GenerateParams) -> GenerateParams:
         """The request with the gateway's default service level where it asked for none."""
@@ -186,14 +205,14 @@ class Placement:
         # the decode worker a disaggregated request would reserve on, and its steps with one more sequence
         steady = min(decode_workers, key=lambda w: w.load(), default=None)
         tpot_disaggregated = 0.0 if steady is None else _step_s(steady, steady.info.running + 1)  # type: ignore[union-attr]
-        correct = self.correction
         options = []
         prefill_idle = False
         for worker in prefill_workers:
             wait = _wait_s(worker, prompt_tokens)
             prefill_idle = prefill_idle or wait == 0
             model = wait + _prompt_s(worker, prompt_tokens)
-            options.append(Option("prefill", worker.address, correct["prefill"] * model, tpot_disaggregated, model))
+            ttft = self.corrected("prefill", model)
+            options.append(Option("prefill", worker.address, ttft, tpot_disaggregated, model))
         for worker in decode_workers:
             assert worker.info is not None
             if worker.info.running + worker.info.live_reservations >= worker.info.max_sequences:
@@ -209,7 +228,7 @@ class Placement:
                 tpot = step + (budget if budget > 0 else work)
             else:
                 ttft, tpot = work, 0.0
-            options.append(Option("colocated", worker.address, correct["colocated"] * ttft, tpot, ttft))
+            options.append(Option("colocated", worker.address, self.corrected("colocated", ttft), tpot, ttft))
 
         def rank(option: Option) -> tuple[bool, float]:
             colocated = option.where == "colocated"

@@ -25,11 +25,16 @@ class LinearFit:
     A solution with a negative coefficient is replaced by the best fit without that feature, so a prediction never
     falls as work grows."""
 
-    def __init__(self, features: int, forget: float = FORGET) -> None:
+    def __init__(self, features: int, forget: float = FORGET,
+                 prior: Sequence[tuple[Sequence[float], float]] = ()) -> None:
+        """`prior`: samples (features, seconds) that never fade, each weighing 1: what the fit says before it has
+        seen enough, and what keeps a coefficient the samples cannot tell apart (all of one size, say) near it."""
         self.n = features
         self.forget = forget
         self._xtx = [[0.0] * features for _ in range(features)]
         self._xty = [0.0] * features
+        self._prior_xtx = [[sum(x[i] * x[j] for x, _ in prior) for j in range(features)] for i in range(features)]
+        self._prior_xty = [sum(x[i] * y for x, y in prior) for i in range(features)]
         self.samples = 0
         self._coefficients: list[float] | None = None
         self._lock = threading.Lock()  # observed on the engine thread, read from the service's event loop
@@ -61,8 +66,10 @@ class LinearFit:
         """The non-negative least-squares solution over the features kept: drop the feature with the most negative
         coefficient until none is negative (the constant is dropped last)."""
         kept = list(range(self.n))
+        xtx = [[a + b for a, b in zip(row, prior)] for row, prior in zip(self._xtx, self._prior_xtx)]
+        xty = [a + b for a, b in zip(self._xty, self._prior_xty)]
         while kept:
-            solution = _solve([[self._xtx[i][j] for j in kept] for i in kept], [self._xty[i] for i in kept])
+            solution = _solve([[xtx[i][j] for j in kept] for i in kept], [xty[i] for i in kept])
             if solution is None:  # too few distinct samples for this many features
                 kept.pop()
                 continue

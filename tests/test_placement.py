@@ -168,7 +168,7 @@ def test_near_equal_predictions_keep_prompts_off_decode_and_errors_are_learnt() 
             colocated = placement.decide(1024, prefill, decode)
             assert colocated.colocated
             colocated.first_token(3 * model_ttft)
-        assert placement.correction["colocated"] == pytest.approx(3.0, rel=0.05)
+        assert placement.corrected("colocated", model_ttft) == pytest.approx(3 * model_ttft, rel=0.05)
         # and 6 s of prefill queue is the sooner first token again
         prefill.workers[0].info.backlog_s = 6.0
         assert not placement.decide(1024, prefill, decode).colocated
@@ -176,6 +176,50 @@ def test_near_equal_predictions_keep_prompts_off_decode_and_errors_are_learnt() 
             await pool.close()
 
     asyncio.run(scenario())
+
+
+def test_a_prompt_counts_in_its_workers_backlog_until_its_first_token_or_the_next_poll() -> None:
+    async def scenario() -> None:
+        placement = Placement("model", Colocation())
+        prefill, decode = _pools(prefill_backlog_s=0.0, decode_running=0)
+        decode.workers[0].info.costs.pass_coefficients[1] = 40.0  # a slow decode device: prompts stay on prefill
+        worker = prefill.workers[0]
+        first = placement.decide(1024, prefill, decode)
+        first.commit()
+        assert not first.colocated and worker.picked_s == pytest.approx(4 * 0.002 + 4.0 * 1.024)
+        second = placement.decide(1024, prefill, decode)
+        assert not second.colocated and second.options[0].ttft_s > first.options[0].ttft_s  # waits for the first
+        second.commit()
+        first.release()  # the first's first token: its prompt no longer waits there
+        first.release()  # (once)
+        assert worker.picked_s == pytest.approx(4 * 0.002 + 4.0 * 1.024)
+        polled = worker_pb2.WorkerInfo()
+        polled.CopyFrom(worker.info)
+        worker.info = polled  # a poll read the worker since (it resets picked_s)
+        worker.picked_s = 0.0
+        second.release()  # the poll holds what is left; nothing to take back
+        assert worker.picked_s == 0.0
+        for pool in (prefill, decode):
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_short_prompts_fixed_costs_are_learnt_apart_from_a_long_prompts_scale() -> None:
+    placement = Placement("model", Colocation())
+    assert placement.corrected("prefill", 2.0) == pytest.approx(2.0)  # nothing learnt: the model's own
+    # a chat's first token 100 ms after a 40 ms pass (the hops and the KV handoff): a fixed cost, which adds to a
+    # document's prediction instead of multiplying it 3.5x
+    placement.learn("prefill", 0.14, 0.04)
+    assert placement.corrected("prefill", 0.04) == pytest.approx(0.14, abs=0.03)
+    assert placement.corrected("prefill", 2.0) == pytest.approx(2.0, abs=0.2)
+    assert placement.corrected("colocated", 2.0) == pytest.approx(2.0)  # the other kind learnt nothing
+    # documents that come 1.5x later than predicted, beside chats 100 ms late: both terms found
+    for _ in range(30):
+        placement.learn("prefill", 0.14, 0.04)
+        placement.learn("prefill", 0.1 + 1.5 * 2.0, 2.0)
+    assert placement.corrected("prefill", 2.0) == pytest.approx(3.1, rel=0.05)
+    assert placement.corrected("prefill", 0.04) == pytest.approx(0.16, abs=0.05)
 
 
 def test_a_short_prompt_waits_for_one_chunk_of_a_long_one_not_for_the_queue() -> None:

@@ -37,6 +37,10 @@ STATE = ROOT / ".pdserve" / "deploy"
 PROJECT = "pdserve"  # the compose file's `name`
 SERVICES = ("gateway", "prefill", "decode")
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+# The checks of the KV handoff between containers send a prompt of ~400 tokens: the gateway places each prompt by
+# its predicted first token (docs/architecture.md, "Placement"), and on an idle cluster a chat-sized one is
+# sooner prefilled by a decode worker itself (no handoff), a longer one on the idle prefill worker.
+DOCUMENT = "The lighthouse keeper climbed the stairs at dusk and lit the lamp, as every night. " * 24 + PROMPT
 ENV = {**os.environ, "CONTAINERS_CONF": str(STATE / "containers.conf"),
        "PATH": f"{STATE / 'tools' / 'bin'}:{os.environ['PATH']}",
        # the compose file has no default token (every compose command needs one): a random one per run
@@ -153,12 +157,13 @@ def cluster() -> Iterator[Cluster]:
 
 
 def test_1_a_completion_streams_over_grpc_and_openai_http(cluster: Cluster) -> None:
-    responses = list(stream(cluster.grpc, timeout=120, prompt=PROMPT, max_tokens=24, ignore_eos=True))
+    responses = list(stream(cluster.grpc, timeout=120, prompt=DOCUMENT, max_tokens=24, ignore_eos=True))
     assert len(responses) > 2 and responses[-1].finish_reason == "length"
     assert sum(len(r.token_ids) for r in responses) == 24
     timing = responses[-1].timing
     say(f"gRPC: {len(responses)} messages, {''.join(r.text for r in responses)!r}, "
-        f"kv_transport={timing.kv_transport}, kv_bytes={timing.kv_bytes}, ttft_ms={timing.ttft_ms:.0f}")
+        f"kv_transport={timing.kv_transport}, kv_bytes={timing.kv_bytes}, ttft_ms={timing.ttft_ms:.0f}, "
+        f"placed: {timing.placement_reason}")
     cluster.seen["kv_transport"] = timing.kv_transport
     # decode lent a segment in the shared /dev/shm volume and prefill, in its own container, wrote the KV into it
     assert timing.kv_transport == "shm"
@@ -180,7 +185,7 @@ def test_2_one_trace_spans_the_gateway_prefill_and_decode_containers(cluster: Cl
     trace_id = secrets.token_hex(16)
     with grpc.insecure_channel(cluster.grpc) as channel:
         replies = gateway_pb2_grpc.GatewayStub(channel).Generate(
-            gateway_pb2.GenerateRequest(prompt=PROMPT, max_tokens=8),
+            gateway_pb2.GenerateRequest(prompt=DOCUMENT, max_tokens=8),
             metadata=[("traceparent", f"00-{trace_id}-{secrets.token_hex(8)}-01")], timeout=120)
         assert list(replies)[-1].finish_reason
     receiver = containers("jaeger")[0]
