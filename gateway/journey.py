@@ -22,7 +22,7 @@ from opentelemetry import trace
 from gateway.errors import GatewayError, NoDecodeCapacity
 from gateway.placement import Decision, Placement
 from gateway.request import GenerateParams
-from gateway.workers import Colocation, PairBreakers, Pool, Worker
+from gateway.workers import PairBreakers, Pool, Worker
 from protos import decode_pb2, prefill_pb2
 from protos.convert import sampling_to_pb
 from serving import tracing
@@ -132,7 +132,7 @@ def _finished_by(params: GenerateParams, sent: list[int], eos_token_ids: frozens
 
 async def run_with_failover(
     params: GenerateParams, prefill: Pool, decode: Pool, timings: Timings, deadline: float | None,
-    colocation: Placement | Colocation | bool, policy: RetryPolicy, pairs: PairBreakers | None = None,
+    colocation: Placement | bool, policy: RetryPolicy, pairs: PairBreakers | None = None,
     eos_token_ids: frozenset[int] = frozenset(),
 ) -> AsyncGenerator[Tokens, None]:
     """`run`, retried on other workers when a worker fails, within the deadline (loop time) and the policy.
@@ -161,7 +161,7 @@ async def run_with_failover(
 
 async def _with_failover(
     params: GenerateParams, prefill: Pool, decode: Pool, timings: Timings, deadline: float | None,
-    colocation: Placement | Colocation | bool, policy: RetryPolicy, pairs: PairBreakers | None,
+    colocation: Placement | bool, policy: RetryPolicy, pairs: PairBreakers | None,
     eos_token_ids: frozenset[int],
 ) -> AsyncGenerator[Tokens, None]:
     loop = asyncio.get_running_loop()
@@ -236,11 +236,9 @@ async def _with_failover(
             await asyncio.sleep(pause)
 
 
-def _place(colocation: Placement | Colocation | bool, params: GenerateParams, prefill: Pool, decode: Pool) -> Decision:
+def _place(colocation: Placement | bool, params: GenerateParams, prefill: Pool, decode: Pool) -> Decision:
     if isinstance(colocation, bool):
         return Decision(colocation, "fixed for every attempt")
-    if isinstance(colocation, Colocation):
-        return Decision(colocation.applies(len(params.prompt_ids), prefill), "threshold")
     return colocation.decide(len(params.prompt_ids), prefill, decode, params.tpot_target_ms)
 
 

@@ -339,7 +339,7 @@ def _split(values: list[str]) -> list[str]:
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, tokenizer: Any, model: worker_pb2.ModelInfo, prefill: Pool, decode: Pool,
-                 colocation: Placement | Colocation, retry: RetryPolicy, admission: AdmissionConfig,
+                 colocation: Placement, retry: RetryPolicy, admission: AdmissionConfig,
                  keys: ApiKeys | None = None,
                  client_stall_timeout_s: float = DEFAULT_CLIENT_STALL_TIMEOUT_S) -> None:
         self.tokenizer = tokenizer
@@ -543,8 +543,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                                  self.model.max_model_len, tenant=tenant, deadline=deadline)
                 except InvalidRequest as exc:
                     raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-                if isinstance(self.colocation, Placement):
-                    params = self.colocation.with_defaults(params)
+                params = self.colocation.with_defaults(params)
                 trace.get_current_span().set_attribute("pdserve.request_id", params.request_id)
                 logs.for_request(params.request_id)
                 owned = owned or self._claim(tenant, params.request_id)

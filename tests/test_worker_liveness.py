@@ -23,6 +23,7 @@ import pytest
 from gateway import journey
 from gateway.admission import AdmissionConfig
 from gateway.journey import GatewayError, NoDecodeCapacity, RetryPolicy, Timings, Tokens
+from gateway.placement import Placement
 from gateway.request import GenerateParams
 from gateway.server import GatewayServicer
 from gateway.workers import Colocation, Pool, check_pairing, resolve
@@ -346,8 +347,8 @@ async def _gateway(cluster: Cluster, model_dir: Path, decode_names: list[str] | 
     decode = Pool("decode", decode_names or [service.address for service in cluster.decode],
                   resolver=resolver or resolve)
     await asyncio.gather(prefill.fetch_info(30), decode.fetch_info(30))
-    servicer = GatewayServicer(tokenizer, check_pairing(prefill, decode), prefill, decode, Colocation(), RetryPolicy(),
-                               AdmissionConfig())
+    servicer = GatewayServicer(tokenizer, check_pairing(prefill, decode), prefill, decode,
+                               Placement("threshold", Colocation()), RetryPolicy(), AdmissionConfig())
     polls = [asyncio.ensure_future(pool.poll(0.1, resolve_every_s=1e9)) for pool in (prefill, decode)]
     server = grpc.aio.server(options=server_options)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
