@@ -239,7 +239,8 @@ async def _with_failover(
 def _place(colocation: Placement | bool, params: GenerateParams, prefill: Pool, decode: Pool) -> Decision:
     if isinstance(colocation, bool):
         return Decision(colocation, "fixed for every attempt")
-    return colocation.decide(len(params.prompt_ids), prefill, decode, params.tpot_target_ms)
+    return colocation.decide(len(params.prompt_ids), prefill, decode, params.tpot_target_ms,
+                             params.cacheable_ids, params.cache_salt)
 
 
 def _record_placement(timings: Timings, decision: Decision) -> None:

@@ -17,7 +17,7 @@ taken only when every choice does. Until the workers report costs (the first pol
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.request import GenerateParams
@@ -95,30 +95,33 @@ def _pass_coefficients(worker: Worker) -> list[float]:
     return list(worker.info.costs.pass_coefficients)
 
 
-def _wait_s(worker: Worker, tokens: int) -> float:
-    """How long a new prompt of `tokens` would wait in the worker's queue: a short one (a chunk at most) for the
-    short prompts and one chunk of a long one, which take turns with them (engine/scheduler.py); a long one for
-    everything. Prompts this gateway sent since the last poll count too."""
+def _wait_s(worker: Worker, tokens: int, cached: int = 0) -> float:
+    """How long a new prompt of `tokens` (`cached` of them in the worker's prefix cache) would wait in the worker's
+    queue: a short one (a chunk at most) for the short prompts and one chunk of a long one, which take turns with
+    them (engine/scheduler.py); a long one for everything. Prompts this gateway sent since the last poll count
+    too."""
     info = worker.info
     assert info is not None
     chunk = info.costs.chunk_tokens
-    if _is_short(worker, tokens):
+    if _is_short(worker, tokens, cached):
         longs = info.long_prompts or worker.picked_s > worker.picked_short_s
         long_pass = prompt_seconds(_pass_coefficients(worker), chunk) if longs else 0.0
         return info.short_backlog_s + worker.picked_short_s + long_pass
     return info.backlog_s + worker.picked_s
 
 
-def _is_short(worker: Worker, tokens: int) -> bool:
-    """Whether the worker's scheduler would batch the prompt rather than chunk it."""
+def _is_short(worker: Worker, tokens: int, cached: int = 0) -> bool:
+    """Whether the worker's scheduler would batch the prompt rather than run it alone, in chunks: at most a chunk,
+    and no cached prefix to continue (engine/scheduler.py's is_long)."""
     assert worker.info is not None
-    return tokens <= worker.info.costs.chunk_tokens
+    return tokens <= worker.info.costs.chunk_tokens and not cached
 
 
-def _prompt_s(worker: Worker, tokens: int) -> float:
+def _prompt_s(worker: Worker, tokens: int, cached: int = 0) -> float:
+    """The passes that prefill the prompt after its `cached` tokens."""
     assert worker.info is not None
-    chunk = worker.info.costs.chunk_tokens
-    return prompt_seconds(_pass_coefficients(worker), tokens, 0, chunk if chunk and tokens > chunk else 0)
+    chunk, left = worker.info.costs.chunk_tokens, tokens - cached
+    return prompt_seconds(_pass_coefficients(worker), left, cached, chunk if chunk and left > chunk else 0)
 
 
 def _step_s(worker: Worker, batch: int) -> float:
@@ -178,26 +181,33 @@ class Placement:
         return dataclasses.replace(params, ttft_target_ms=params.ttft_target_ms or self.ttft_ms,
                                    tpot_target_ms=params.tpot_target_ms or self.tpot_ms)
 
-    def decide(self, prompt_tokens: int, prefill: Pool, decode: Pool, tpot_ms: int = 0) -> Decision:
-        """Where a prompt of `prompt_tokens` runs; `tpot_ms`: the request's time-per-token target (0: none)."""
+    def decide(self, prompt_tokens: int, prefill: Pool, decode: Pool, tpot_ms: int = 0,
+               prompt: Sequence[int] = (), cache_salt: str = "") -> Decision:
+        """Where a prompt of `prompt_tokens` runs; `tpot_ms`: the request's time-per-token target (0: none). With
+        the `prompt`'s cacheable tokens, a prefill worker's prediction leaves out the prefix it likely holds."""
         by_threshold = self.colocation.applies(prompt_tokens, prefill)
         if self.mode == "threshold" or not prefill.workers:
             return Decision(by_threshold, "threshold" if prefill.workers else "no prefill workers")
-        options = self.options(prompt_tokens, prefill, decode, tpot_ms / 1e3)
+        cached = {w.address: prefill.cached_tokens(w, prompt, cache_salt) for w in prefill.workers} if prompt else {}
+        options = self.options(prompt_tokens, prefill, decode, tpot_ms / 1e3, cached)
         if options is None:
             return Decision(by_threshold, "threshold: no costs reported yet")
         if not options:
             return Decision(by_threshold, "threshold: no worker serving")
         best = options[0]
         chosen = next(w for w in (prefill if best.where == "prefill" else decode).workers if w.address == best.worker)
+        held = cached.get(chosen.address, 0) if best.where == "prefill" else 0
         return Decision(best.where == "colocated", "model", options,
                         decode=best.worker if best.where == "colocated" else "",
-                        charge=(chosen, _prompt_s(chosen, prompt_tokens), _is_short(chosen, prompt_tokens)),
+                        charge=(chosen, _prompt_s(chosen, prompt_tokens, held),
+                                _is_short(chosen, prompt_tokens, held)),
                         learn=self.learn)
 
-    def options(self, prompt_tokens: int, prefill: Pool, decode: Pool, tpot_s: float = 0.0) -> list[Option] | None:
+    def options(self, prompt_tokens: int, prefill: Pool, decode: Pool, tpot_s: float = 0.0,
+                cached: dict[str, int] | None = None) -> list[Option] | None:
         """Every placement, best first (those predicted slower than `tpot_s` per token last); None when a usable
-        worker has reported no costs yet."""
+        worker has reported no costs yet. `cached`: prompt tokens each prefill worker likely holds (by address)."""
+        cached = cached or {}
         prefill_workers = [w for w in prefill.workers if _usable(w)]
         decode_workers = [w for w in decode.workers if _usable(w)]
         if any(not _pass_coefficients(w) for w in prefill_workers + decode_workers):
@@ -208,9 +218,10 @@ class Placement:
         options = []
         prefill_idle = False
         for worker in prefill_workers:
-            wait = _wait_s(worker, prompt_tokens)
+            held = cached.get(worker.address, 0)
+            wait = _wait_s(worker, prompt_tokens, held)
             prefill_idle = prefill_idle or wait == 0
-            model = wait + _prompt_s(worker, prompt_tokens)
+            model = wait + _prompt_s(worker, prompt_tokens, held)
             ttft = self.corrected("prefill", model)
             options.append(Option("prefill", worker.address, ttft, tpot_disaggregated, model))
         for worker in decode_workers:

@@ -142,15 +142,20 @@ class PrefixIndex:
         cover the longest prefix of its names; None when none covers any."""
         best, longest = None, 0
         for address, names in candidates:
-            sent = self._sent.get(address)
-            if sent is None:
-                continue
-            matched = 0
-            while matched < len(names) and names[matched] in sent:
-                matched += 1
+            matched = self.matched(address, names)
             if matched > longest:
                 best, longest = address, matched
         return best
+
+    def matched(self, address: str, names: list[bytes]) -> int:
+        """How many of the prompt's leading blocks (`names`) were sent to `address`."""
+        sent = self._sent.get(address)
+        if sent is None:
+            return 0
+        matched = 0
+        while matched < len(names) and names[matched] in sent:
+            matched += 1
+        return matched
 
     def record(self, address: str, names: list[bytes]) -> None:
         sent = self._sent.setdefault(address, collections.OrderedDict())
@@ -335,6 +340,15 @@ class Pool:
             ordered.remove(worker)
             ordered.insert(0, worker)
         self.prefixes.record(ordered[0].address, names(ordered[0]))
+
+    def cached_tokens(self, worker: Worker, prompt: Sequence[int], cache_salt: str = "") -> int:
+        """The prompt tokens `worker` likely holds in its prefix cache, by the prefixes this pool sent it (0 when
+        it caches none or prefix routing is off); never the whole prompt, whose last token is always computed."""
+        size = worker.prefix_block_tokens
+        if not size or self.prefix_balance_tokens < 0 or len(prompt) < size:
+            return 0
+        blocks = self.prefixes.matched(worker.address, block_names(prompt, size, cache_salt))
+        return min(blocks * size, len(prompt) - 1)
 
     def least_queued_tokens(self) -> float:
         """Prefill: the prompt tokens queued or running at the least loaded worker that serves with its breaker

@@ -205,6 +205,31 @@ def test_a_prompt_counts_in_its_workers_backlog_until_its_first_token_or_the_nex
     asyncio.run(scenario())
 
 
+def test_a_prefix_the_prefill_worker_holds_is_left_out_of_its_prediction() -> None:
+    async def scenario() -> None:
+        placement = Placement("model", Colocation())
+        prefill, decode = _pools(prefill_backlog_s=2.0, decode_running=0)
+        prefill.prefix_balance_tokens = 4096  # prefix routing on
+        worker = prefill.workers[0]
+        worker.info.prefix_block_tokens = 16
+        system = list(range(1000, 1960))  # a 960-token system prompt, sent before under one key's salt
+        prefill.in_turn(prompt=system + [7, 8, 9], cache_salt="key-a")
+        chat = system + list(range(5, 69))  # the same system prompt and a 64-token question
+        assert prefill.cached_tokens(worker, chat, "key-a") == 960
+        assert prefill.cached_tokens(worker, chat, "key-b") == 0  # another salt's prefix is not this one's
+        # held: 64 tokens after 960 (a long prompt by the scheduler: it waits for the whole backlog), sooner there
+        # than all 1,024 on the idle decode worker
+        held = placement.decide(len(chat), prefill, decode, prompt=chat, cache_salt="key-a")
+        assert not held.colocated
+        assert held.predicted_ttft_s == pytest.approx(2.0 + prompt_seconds((0.002, 4.0, 0.0), 64, 960))
+        # under another salt nothing is held: 2 s of queue and 4.1 s of passes, against 4.2 s colocated
+        assert placement.decide(len(chat), prefill, decode, prompt=chat, cache_salt="key-b").colocated
+        for pool in (prefill, decode):
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_short_prompts_fixed_costs_are_learnt_apart_from_a_long_prompts_scale() -> None:
     placement = Placement("model", Colocation())
     assert placement.corrected("prefill", 2.0) == pytest.approx(2.0)  # nothing learnt: the model's own
