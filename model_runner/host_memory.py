@@ -3,7 +3,7 @@ pages where the kernel gives them. The prefix cache's block pool lives here too,
 
 A step reads all of them, hundreds of MB, once. On 4 KB pages that stream crosses a page every 64 cache lines,
 and each crossing is a TLB miss that the kernels' prefetches into the next page wait behind. On 2 MB pages one
-walk covers 32768 lines. Measured in `bench decode`'s step at batch 8 on the AVX2 EPYC (2026-11-25), alternating
+walk covers 32768 lines. Measured in `bench decode`'s step at batch 8 on the AVX2 EPYC (2026-11-26), alternating
 in one process: float32 58.8 -> 57.5 ms with the weights on huge pages, 56.0 ms with the
 pool too; bfloat16 44.2 -> 43.1 ms.
 
