@@ -173,8 +173,15 @@ class Placement:
         self.correction[where].observe((1.0, model_s), actual_s)
 
     def corrected(self, where: str, model_s: float) -> float:
-        """The model's TTFT for a choice of this kind, with what first tokens showed it misses."""
-        return max(LEAST_SCALE * model_s, self.correction[where].predict((1.0, model_s)))
+        """The model's TTFT for a choice of this kind, with what first tokens showed it misses. Until a kind has
+        first tokens of its own, the other kind's correction serves for it too: what the first requests show (a
+        busy machine, a cold start, the hops) is taken as common to every choice, so the kind tried first is not
+        penalised against one nobody has tried."""
+        fit = self.correction[where]
+        if not fit.samples:
+            other = self.correction["colocated" if where == "prefill" else "prefill"]
+            fit = other if other.samples else fit
+        return max(LEAST_SCALE * model_s, fit.predict((1.0, model_s)))
 
     def with_defaults(self, params: GenerateParams) -> GenerateParams:
         """The request with the gateway's default service level where it asked for none."""
