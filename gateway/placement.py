@@ -139,11 +139,6 @@ MIN_BUDGET_S = 0.001  # a target shorter than a step leaves prompts a layer betw
 # A colocated prompt shares the decode worker's core with running streams: it must be predicted this much sooner
 # than the best prefill worker, so that near-equal predictions keep prompts off decode.
 COLOCATED_MARGIN = 1.1
-# While a prefill worker could start the prompt at once, colocating it gains no queue, only the difference between
-# two workers' fits of the same pass, which is their calibration's noise when they run on alike cores (up to ~1.3x
-# between services started side by side on 2 oversubscribed cores): colocated then goes first only when predicted
-# this much sooner, as on a decode device faster than prefill's.
-IDLE_PREFILL_MARGIN = 2.0
 FORGET = 0.9  # the correction's memory: each first token weighs 1, the ones before 0.9 times what they weighed
 # The correction before any first token, and what it keeps to where first tokens cannot tell its terms apart: none
 # (first tokens at 0 s and at 1 s, predicted as such, each weighing a quarter of a first token, never fading; a
@@ -248,9 +243,13 @@ class Placement:
                 ttft, tpot = work, 0.0
             options.append(Option("colocated", worker.address, self.corrected("colocated", ttft), tpot, ttft))
 
-        def rank(option: Option) -> tuple[bool, float]:
+        # Colocating a prompt skips a prefill queue; while a prefill worker could start it at once there is none
+        # to skip, and a prediction that says otherwise compares two workers' fits of the same pass: calibration
+        # noise (services started side by side on oversubscribed cores fit up to 16x apart), which only a prompt
+        # sent to the idle worker corrects. So colocated choices then go after the prefill ones.
+        def rank(option: Option) -> tuple[bool, bool, float]:
             colocated = option.where == "colocated"
-            margin = (IDLE_PREFILL_MARGIN if prefill_idle else COLOCATED_MARGIN) if colocated else 1
-            return bool(tpot_s) and option.tpot_s > tpot_s, option.ttft_s * margin
+            return (bool(tpot_s) and option.tpot_s > tpot_s, colocated and prefill_idle,
+                    option.ttft_s * (COLOCATED_MARGIN if colocated else 1))
 
         return sorted(options, key=rank)
