@@ -11,11 +11,17 @@ PDSERVE_GEMM=avx512 keeps the kernel but leaves out its AVX512-BF16 instructions
 CPUs without AVX-512 run, and =portable the scalar loops of other CPUs. PDSERVE_GEMM is read when a weight is
 packed; the weight keeps that choice.
 
-Prompt GEMMs (`prompt=True`: many rows, compute-bound) on CPUs with AMX-BF16 go to oneDNN's AMX kernels instead,
-6-13x faster than the kernel above at prompt shapes (docs/kernels.md, "Prompt GEMMs on AMX"). They stay batch and
-chunk invariant: every call multiplies exactly PROMPT_ROWS rows (the last block zero-padded), so a row's bits
-depend only on the row, never on how many rows came with it or where it sits in its block (tested). Each bfloat16
-weight then has a second copy, reordered for oneDNN. PDSERVE_PROMPT_GEMM=kernel keeps prompts on the kernel.
+Prompt GEMMs (`prompt=True`: many rows, compute-bound) of bfloat16 weights can go elsewhere (`prompt_gemm()`,
+PDSERVE_PROMPT_GEMM): by default (auto), on CPUs with AMX-BF16, to oneDNN's AMX kernels, 6-13x faster than the
+kernel above at prompt shapes (docs/kernels.md, "Prompt GEMMs on AMX"). With PDSERVE_PROMPT_GEMM=fp32, to torch's
+float32 GEMM on a float32 copy of the weight: 1.3-1.6x the kernel's rate on a CPU without AVX512-BF16 in blocks of
+64 rows, which pays for a long prompt's passes but not for a single chat prompt's or 32-token chunks', padded to
+64 rows (docs/kernels.md, "Prompt GEMMs in float32"). Both stay batch and chunk invariant: every call multiplies a
+fixed number of rows (the last block zero-padded), so a row's bits depend only on the row, never on how many rows
+came with it or where it sits in its block (tested). Each bfloat16 weight then has a second copy, reordered for
+oneDNN or in float32 (twice its bytes: float32 copies stop once they would take more than a quarter of the memory
+available at load; the LM head, whose prompt GEMMs take a row per prompt, has none). =kernel keeps prompts on the
+kernel.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ _MODES = ("auto", "torch", "avx512", "avx2", "portable")
 _POSTS = ("none", "silu", "mul", "add")
 BLOCK = 16  # outputs per block of the packed layout
 PROMPT_ROWS = 64  # rows in every oneDNN call of a prompt GEMM: a multiple of AMX's 16-row tiles
+FP32_PROMPT_ROWS = 64  # rows in every float32 prompt GEMM (torch's sgemm reaches ~100-130 GFLOP/s here, ~80 at 32)
 
 
 @dataclass(frozen=True)
@@ -47,7 +54,7 @@ class PackedWeight:
     out_features: int
     in_features: int
     mode: str | None  # the kernel's PDSERVE_GEMM mode (auto, avx512, avx2, portable); None: data is (N, K) for F.linear
-    prompt: torch.Tensor | None = None  # the weight reordered for oneDNN's AMX kernels, for prompt GEMMs
+    prompt: torch.Tensor | None = None  # for prompt GEMMs: reordered for oneDNN's AMX kernels, or float32 (N, K)
 
     @property
     def blocked(self) -> bool:
@@ -62,9 +69,11 @@ class PackedWeight:
         return self.data.numel() * self.data.element_size()
 
 
-def pack(weight: torch.Tensor, arena: host_memory.Arena | None = None) -> PackedWeight:
+def pack(weight: torch.Tensor, arena: host_memory.Arena | None = None, few_prompt_rows: bool = False) -> PackedWeight:
     """Lays out a (N, K) float32 or bfloat16 CPU weight for `linear` (a copy, in `arena` if given; the weight can
-    be freed). Other weights, and all of them where the kernel is off or cannot be built, are kept as they are."""
+    be freed). Other weights, and all of them where the kernel is off or cannot be built, are kept as they are.
+    `few_prompt_rows`: its prompt GEMMs take a row or two (the LM head): no float32 copy, which would only double
+    what they read."""
     n, k = weight.shape
     mode = _mode()
     if not (mode != "torch" and weight.device.type == "cpu" and weight.dtype in _KERNEL_DTYPES and KERNEL.load()):
@@ -78,8 +87,10 @@ def pack(weight: torch.Tensor, arena: host_memory.Arena | None = None) -> Packed
         padded = F.pad(weight, (0, 0, 0, blocks * BLOCK - n))
         data = padded.view(blocks, BLOCK, k).transpose(1, 2)  # (blocks, K, 16)
     prompt = None
-    if weight.dtype == torch.bfloat16 and amx_prompts():
+    if weight.dtype == torch.bfloat16 and prompt_gemm() == "amx":
         prompt = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PROMPT_ROWS)
+    elif weight.dtype == torch.bfloat16 and prompt_gemm() == "fp32" and not few_prompt_rows:
+        prompt = _fp32_copy(weight)
     return PackedWeight(data.contiguous() if arena is None else arena.copy(data), n, k, mode, prompt)
 
 
@@ -101,6 +112,8 @@ def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, *
     (M, N) with its last dim contiguous. Sums, bias and post-op in float32, rounded once to the output dtype.
     bias (N,) and other may be float32 or w's dtype. `prompt`: a prompt pass's GEMM (AMX where there is one)."""
     if prompt and w.prompt is not None and x.is_cpu and x.dtype == torch.bfloat16:
+        if w.prompt.dtype == torch.float32:
+            return _prompt_linear_fp32(x, w.prompt, bias, post, other)
         return _prompt_linear(x, w, bias, post, other)
     if w.mode is not None and x.is_cpu and x.dtype == w.data.dtype:  # (is_cpu: x.device costs ~0.3 us)
         out: torch.Tensor = torch.ops.pdserve_gemm.linear(x, w.data, w.out_features, bias, post, other, w.mode)
@@ -153,6 +166,61 @@ def _prompt_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, 
         else:
             out += other
     return out
+
+
+def _prompt_linear_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, post: str,
+                        other: torch.Tensor | None) -> torch.Tensor:
+    """torch's float32 GEMM in blocks of exactly PROMPT_ROWS rows on the weight's float32 copy; bias and post-op in
+    float32, rounded once to bfloat16, as the kernel does."""
+    if post in ("mul", "add") and other is None:
+        raise ValueError(f"post={post!r} needs other")
+    rows, block_rows = x.shape[0], FP32_PROMPT_ROWS
+    bias32 = None if bias is None else bias.float()
+    out = torch.empty(rows, weight.shape[0], dtype=x.dtype)
+    for start in range(0, rows, block_rows):
+        block = x[start : start + block_rows].float()
+        taken = block.shape[0]
+        if taken < block_rows:  # the same call shape for every block: a row's bits never depend on its company
+            block = F.pad(block, (0, 0, 0, block_rows - taken))
+        y = F.linear(block, weight, bias32)[:taken]
+        if post == "silu":
+            y = F.silu(y)
+        elif post == "mul":
+            y = y * other[start : start + taken].float()  # type: ignore[index]
+        elif post == "add":
+            y = y + other[start : start + taken].float()  # type: ignore[index]
+        out[start : start + taken] = y
+    return out
+
+
+_fp32_left = [-1]  # bytes float32 prompt copies may still take (-1: not yet read)
+
+
+def _fp32_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight in float32 for prompt GEMMs, while copies stay within a quarter of the memory available when the
+    first was made; None past that (those weights' prompts stay on the kernel)."""
+    if _fp32_left[0] < 0:
+        _fp32_left[0] = host_memory.available_bytes() // 4
+    size = weight.numel() * 4
+    if size > _fp32_left[0]:
+        return None
+    _fp32_left[0] -= size
+    return weight.float().contiguous()
+
+
+@functools.cache
+def prompt_gemm() -> str:
+    """Where prompt GEMMs of bfloat16 weights go: "amx" (oneDNN's AMX kernels), "fp32" (torch's float32 GEMM on a
+    float32 copy) or "kernel" (the kernel above), as PDSERVE_PROMPT_GEMM (auto: amx where the CPU has it, else
+    kernel; kernel; amx; fp32) and the CPU allow."""
+    asked = os.environ.get("PDSERVE_PROMPT_GEMM", "auto")
+    if asked not in ("auto", "kernel", "amx", "fp32"):
+        raise ValueError(f"PDSERVE_PROMPT_GEMM={asked!r}: expected auto, kernel, amx or fp32")
+    if asked == "kernel" or not KERNEL.load():
+        return "kernel"
+    if asked in ("auto", "amx") and amx_prompts():
+        return "amx"
+    return "fp32" if asked == "fp32" else "kernel"
 
 
 @functools.cache

@@ -25,6 +25,18 @@ _ALIGN = 64  # an arena's tensors start on a cache line
 _CHUNK = 64 << 20  # an arena maps this much at a time (or one tensor's size, where larger)
 
 
+def available_bytes() -> int:
+    """The memory the kernel says a new allocation can take without swapping (MemAvailable); 0 if unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def huge_bytes(nbytes: int) -> torch.Tensor:
     """`nbytes` zero bytes (uint8), starting on a 2 MB boundary, in a private anonymous mapping advised for huge
     pages. The tensor keeps the mapping alive."""

@@ -57,9 +57,9 @@ class Linear:
     in decode and prefill alike. Where the kernel cannot run (another device, no compiler) F.linear serves."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 arena: host_memory.Arena | None = None) -> None:
+                 arena: host_memory.Arena | None = None, few_prompt_rows: bool = False) -> None:
         self.bias = bias
-        self.weight = gemm.pack(weight, arena)
+        self.weight = gemm.pack(weight, arena, few_prompt_rows)
 
     @property
     def nbytes(self) -> int:
@@ -146,7 +146,7 @@ class LlamaRunner:
         self.norm = take("model.norm.weight")
         head = weights.pop("lm_head.weight", None)
         self.lm_head = Linear((self.embed if head is None else head.to(device=device, dtype=dtype)).contiguous(),
-                              arena=arena)
+                              arena=arena, few_prompt_rows=True)  # a prompt pass's logits: its last rows only
         self.cos, self.sin = _rope_tables(config, max_model_len, dtype, device)
         self._layer_weights = _layer_weights(self.layers, dtype)
         # the prompt-attention kernel where it runs (its SDPA fallback is not chunk-invariant: used wholly or not)

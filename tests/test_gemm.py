@@ -226,12 +226,27 @@ def test_rounds_to_nearest_even(path: str) -> None:
     assert out[:, 10].isnan().all() and torch.equal(out[:, 11:], rounded[:, 11:])
 
 
-@pytest.mark.skipif(not gemm.amx_prompts(), reason="prompt GEMMs go to oneDNN's AMX kernels only on CPUs with AMX")
+@pytest.fixture(params=["amx", "fp32"])
+def prompt_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Each path prompt GEMMs of bfloat16 weights can take besides the kernel (PDSERVE_PROMPT_GEMM), where the CPU
+    has it: float32 everywhere, AMX on CPUs with AMX."""
+    if request.param == "amx" and not gemm.amx_prompts():
+        pytest.skip("prompt GEMMs go to oneDNN's AMX kernels only on CPUs with AMX")
+    monkeypatch.setenv("PDSERVE_PROMPT_GEMM", request.param)
+    gemm.prompt_gemm.cache_clear()
+    assert gemm.prompt_gemm() == request.param
+    yield request.param
+    monkeypatch.undo()
+    gemm.prompt_gemm.cache_clear()
+
+
 @pytest.mark.parametrize("post", ["none", "silu", "mul", "add"])
-def test_prompt_gemms_on_amx_give_a_row_the_same_bits_in_any_company(post: str) -> None:
+def test_prompt_gemms_give_a_row_the_same_bits_in_any_company(prompt_path: str, post: str) -> None:
     torch.manual_seed(0)
     weight = torch.randn(200, 96).bfloat16()
     packed = gemm.pack(weight)
+    assert packed.prompt is not None and (packed.prompt.dtype == torch.float32) == (prompt_path == "fp32")
+    assert gemm.pack(weight, few_prompt_rows=True).prompt is None or prompt_path == "amx"  # an LM head: no copy
     x, other = torch.randn(150, 96).bfloat16(), torch.randn(150, 200).bfloat16()
     bias = torch.randn(200).bfloat16()
 
