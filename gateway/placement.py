@@ -190,7 +190,7 @@ class Placement:
         by_threshold = self.colocation.applies(prompt_tokens, prefill)
         if self.mode == "threshold" or not prefill.workers:
             return Decision(by_threshold, "threshold" if prefill.workers else "no prefill workers")
-        cached = {w.address: prefill.cached_tokens(w, prompt, cache_salt) for w in prefill.workers} if prompt else {}
+        cached = prefill.cached_tokens(prompt, cache_salt)
         options = self.options(prompt_tokens, prefill, decode, tpot_ms / 1e3, cached)
         if options is None:
             return Decision(by_threshold, "threshold: no costs reported yet")

@@ -341,14 +341,22 @@ class Pool:
             ordered.insert(0, worker)
         self.prefixes.record(ordered[0].address, names(ordered[0]))
 
-    def cached_tokens(self, worker: Worker, prompt: Sequence[int], cache_salt: str = "") -> int:
-        """The prompt tokens `worker` likely holds in its prefix cache, by the prefixes this pool sent it (0 when
-        it caches none or prefix routing is off); never the whole prompt, whose last token is always computed."""
-        size = worker.prefix_block_tokens
-        if not size or self.prefix_balance_tokens < 0 or len(prompt) < size:
-            return 0
-        blocks = self.prefixes.matched(worker.address, block_names(prompt, size, cache_salt))
-        return min(blocks * size, len(prompt) - 1)
+    def cached_tokens(self, prompt: Sequence[int], cache_salt: str = "") -> dict[str, int]:
+        """By worker address: the prompt tokens each worker likely holds in its prefix cache, by the prefixes this
+        pool sent it (0 where it caches none; empty when prefix routing is off); never the whole prompt, whose
+        last token is always computed. The prompt's block names are hashed once per block size."""
+        if self.prefix_balance_tokens < 0 or not prompt:
+            return {}
+        names: dict[int, list[bytes]] = {}  # block size -> the prompt's names
+        held = {}
+        for worker in self.workers:
+            size = worker.prefix_block_tokens
+            if not size or len(prompt) < size:
+                continue
+            if size not in names:
+                names[size] = block_names(prompt, size, cache_salt)
+            held[worker.address] = min(self.prefixes.matched(worker.address, names[size]) * size, len(prompt) - 1)
+        return held
 
     def least_queued_tokens(self) -> float:
         """Prefill: the prompt tokens queued or running at the least loaded worker that serves with its breaker

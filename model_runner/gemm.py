@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,14 +146,9 @@ _ONEDNN_POSTS = {"none": "none", "silu": "swish"}
 def _prompt_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, post: str,
                    other: torch.Tensor | None) -> torch.Tensor:
     """oneDNN (AMX) in blocks of exactly PROMPT_ROWS rows; the post-op fused where oneDNN has it, else after."""
-    rows = x.shape[0]
     bias = None if bias is None else bias.to(torch.bfloat16)
-    out = torch.empty(rows, w.out_features, dtype=x.dtype)
-    for start in range(0, rows, PROMPT_ROWS):
-        block = x[start : start + PROMPT_ROWS]
-        taken = block.shape[0]
-        if taken < PROMPT_ROWS:  # the same call shape for every block: a row's bits never depend on its company
-            block = F.pad(block, (0, 0, 0, PROMPT_ROWS - taken))
+    out = torch.empty(x.shape[0], w.out_features, dtype=x.dtype)
+    for start, taken, block in _fixed_blocks(x, PROMPT_ROWS):
         if post in _ONEDNN_POSTS:
             y = torch.ops.mkldnn._linear_pointwise(block.contiguous(), w.prompt, bias, _ONEDNN_POSTS[post], [], "")
         else:
@@ -168,21 +164,27 @@ def _prompt_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, 
     return out
 
 
+def _fixed_blocks(x: torch.Tensor, block_rows: int) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """(first row, rows taken, a block of exactly `block_rows` rows) over x, the last block zero-padded: every GEMM
+    call then has the same shape, so a row's bits never depend on how many rows came with it."""
+    for start in range(0, x.shape[0], block_rows):
+        block = x[start : start + block_rows]
+        taken = block.shape[0]
+        if taken < block_rows:
+            block = F.pad(block, (0, 0, 0, block_rows - taken))
+        yield start, taken, block
+
+
 def _prompt_linear_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, post: str,
                         other: torch.Tensor | None) -> torch.Tensor:
-    """torch's float32 GEMM in blocks of exactly PROMPT_ROWS rows on the weight's float32 copy; bias and post-op in
-    float32, rounded once to bfloat16, as the kernel does."""
+    """torch's float32 GEMM in blocks of exactly FP32_PROMPT_ROWS rows on the weight's float32 copy; bias and
+    post-op in float32, rounded once to bfloat16, as the kernel does."""
     if post in ("mul", "add") and other is None:
         raise ValueError(f"post={post!r} needs other")
-    rows, block_rows = x.shape[0], FP32_PROMPT_ROWS
     bias32 = None if bias is None else bias.float()
-    out = torch.empty(rows, weight.shape[0], dtype=x.dtype)
-    for start in range(0, rows, block_rows):
-        block = x[start : start + block_rows].float()
-        taken = block.shape[0]
-        if taken < block_rows:  # the same call shape for every block: a row's bits never depend on its company
-            block = F.pad(block, (0, 0, 0, block_rows - taken))
-        y = F.linear(block, weight, bias32)[:taken]
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    for start, taken, block in _fixed_blocks(x, FP32_PROMPT_ROWS):
+        y = F.linear(block.float(), weight, bias32)[:taken]
         if post == "silu":
             y = F.silu(y)
         elif post == "mul":
@@ -225,9 +227,9 @@ def prompt_gemm() -> str:
 
 @functools.cache
 def amx_prompts() -> bool:
-    """Whether prompt GEMMs go to oneDNN's AMX kernels: a CPU with AMX-BF16, oneDNN in torch, and
-    PDSERVE_PROMPT_GEMM not "kernel"."""
-    if os.environ.get("PDSERVE_PROMPT_GEMM", "auto") == "kernel" or not torch.backends.mkldnn.is_available():
+    """Whether prompt GEMMs can go to oneDNN's AMX kernels: a CPU with AMX-BF16 and oneDNN in torch (whether they
+    do: `prompt_gemm`)."""
+    if not torch.backends.mkldnn.is_available():
         return False
     try:
         flags = Path("/proc/cpuinfo").read_text()

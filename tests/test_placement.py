@@ -218,8 +218,8 @@ def test_a_prefix_the_prefill_worker_holds_is_left_out_of_its_prediction() -> No
         system = list(range(1000, 1960))  # a 960-token system prompt, sent before under one key's salt
         prefill.in_turn(prompt=system + [7, 8, 9], cache_salt="key-a")
         chat = system + list(range(5, 69))  # the same system prompt and a 64-token question
-        assert prefill.cached_tokens(worker, chat, "key-a") == 960
-        assert prefill.cached_tokens(worker, chat, "key-b") == 0  # another salt's prefix is not this one's
+        assert prefill.cached_tokens(chat, "key-a") == {worker.address: 960}
+        assert prefill.cached_tokens(chat, "key-b") == {worker.address: 0}  # another salt's prefix is not this one's
         # held: 64 tokens after 960 (a long prompt by the scheduler: it waits for the whole backlog), sooner there
         # than all 1,024 on the idle decode worker
         held = placement.decide(len(chat), prefill, decode, prompt=chat, cache_salt="key-a")
