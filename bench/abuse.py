@@ -74,6 +74,7 @@ HEADER_LIMIT = 8190  # aiohttp's longest header line: past it the parser refuses
 REQUEST_TIMEOUT_S = 60.0  # a bystander request not done by then failed (DEADLINE_EXCEEDED)
 PROBE_PAUSE_S = 2.0  # before each cache probe: four of the gateway's load polls
 CLEANUP_S = 150.0  # past --phase-timeout, for an attacker's last answers and the drain
+PHASES = ("alone", "stuck", "flood", "big_prompts", "lone_bytes", "cache_probe", "bad_headers")
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -95,6 +96,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds a phase may take before it is stopped and failed (default: %(default)s)")
     parser.add_argument("--drain-timeout", type=float, default=10.0,
                         help="seconds the live gauges get to reach 0 after a phase (default: %(default)s)")
+    parser.add_argument("--phases", default=",".join(PHASES), metavar="A,B",
+                        help="the phases to run, in their order; alone (the bystander's reference) always runs "
+                        "(default: all: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="the prompts' seed (default: %(default)s)")
     add_output_args(parser, "abuse")
 
@@ -387,9 +391,9 @@ class Bench:
                 timeout=aiohttp.ClientTimeout(total=120)) as session:
             self.bystander = Bystander(channel, self.args.seed)
             self.session = session
-            for phase, step in (("alone", self.alone), ("stuck", self.stuck), ("flood", self.flood),
-                                ("big_prompts", self.big_prompts), ("lone_bytes", self.lone_bytes),
-                                ("cache_probe", self.cache_probe), ("bad_headers", self.bad_headers)):
+            chosen = {"alone", *self.args.phases.split(",")}
+            for phase in (p for p in PHASES if p in chosen):
+                step = getattr(self, phase)
                 print(f"bench abuse: {phase}", file=sys.stderr, flush=True)
                 self.phases[phase] = {}
                 started = time.monotonic()
@@ -649,6 +653,10 @@ def run(args: argparse.Namespace) -> int:
                          "--tokens at least 2")
     if args.client_stall_timeout <= 0 or args.phase_timeout <= 0:
         raise SystemExit("pdserve bench abuse: --client-stall-timeout and --phase-timeout must be positive")
+    unknown = set(args.phases.split(",")) - set(PHASES)
+    if unknown:
+        raise SystemExit(f"pdserve bench abuse: --phases {args.phases}: unknown {sorted(unknown)}; "
+                         f"expected some of {','.join(PHASES)}")
     from gateway.tokenizer import Tokenizer
 
     model = resolve_model(args.model)
@@ -691,6 +699,7 @@ def _report(args: argparse.Namespace, bench: Bench) -> dict[str, Any]:
                    "stuck_rcvbuf": args.stuck_rcvbuf,
                    "tokens": args.tokens, "alone": args.alone, "rounds": args.rounds,
                    "client_stall_timeout_s": args.client_stall_timeout, "phase_timeout_s": args.phase_timeout,
+                   "phases": args.phases,
                    "per_client_caps": PER_CLIENT, "flood_streams": FLOOD, "big_prompts_per_s": BIG_PER_S,
                    "max_model_len": bench.max_model_len},
         "phases": bench.phases,

@@ -76,7 +76,12 @@ class DecodeConfig:
     lease_s: float = 30.0
     max_chunk_bytes: int = MAX_CHUNK_BYTES
     kv_shm: bool = True  # lend shared-memory segments, so a prefill worker on this host skips the wire
-    prefill_chunk: int = 256  # colocated prompts: most tokens of a long prompt prefilled between two decode steps
+    # Colocated prompts: most tokens prefilled between two decode steps. 32 tokens are ~40 ms of bf16 prefill on one
+    # core with AMX; where a chunk takes longer (~100 ms on an AVX2-only EPYC), --prefill-pass-ms pauses it at a
+    # layer boundary for a decode step, so a running stream waits about a step plus 35 ms at most
+    # (docs/benchmarks.md, "serve"). A worker with no prefill tier beside it prefills whole prompts: `pdserve
+    # cluster --prefill 0` gives it 256.
+    prefill_chunk: int = 32
     prefill_batch_tokens: int = 256  # colocated short prompts share a pass within this many padded tokens
     prefill_pass_ms: float = 35  # > 0: a colocated pass this long since the last step pauses for one (0: never)
     prefill_pass_steps: float = 1.25  # > 0: ... or this many decode steps long, if less (0: the ms alone)

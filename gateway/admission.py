@@ -8,6 +8,12 @@ client runs at most `max_in_flight_per_client` requests and queues at most `max_
 place that frees goes to the waiting client with the fewest requests running (the oldest request first among
 equals), the way an API gateway gives each tenant its share. So a client that floods, or opens sockets that never
 read, can hold its own share and no more; everyone else still finds a place.
+
+A refusal is answered at once, up to `instant_refusals_per_client` a second for one client. A client refused
+faster than that is retrying without waiting for its retry hint (a flood): each further refusal of that second is
+answered after a pause (`REFUSAL_PAUSE_S`, less where the request's deadline is sooner), so the flood costs the
+gateway a few refusals a second per stream instead of hundreds, and costs the flooder its own time. At most
+`max_queue` refusals pause at once; past that they are answered at once again.
 """
 
 from __future__ import annotations
@@ -18,10 +24,18 @@ import contextlib
 import itertools
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from typing import NoReturn
 
 
 class Overloaded(Exception):
     """Refused for capacity (the client is told to retry after `Admission.retry_after_ms`)."""
+
+    def __init__(self, message: str, paused: bool = False) -> None:
+        super().__init__(message)
+        self.paused = paused  # answered after a pause: the client was refused too often this second
+
+
+REFUSAL_PAUSE_S = 1.0  # a refusal past a client's instant ones waits this long (at most)
 
 
 @dataclass(frozen=True)
@@ -33,12 +47,18 @@ class AdmissionConfig:
     # requests at once as this machine's decode batch serves well. 0: no per-client cap.
     max_in_flight_per_client: int = 32
     max_queue_per_client: int = 64  # a quarter of the queue; 0: no per-client cap
+    # Well above what one client behind a proxy meets at 10x overload here (~70 refusals a second in `bench
+    # chaos`), well below a client that retries at once (~450 a second in `bench abuse`). 0: never pause.
+    instant_refusals_per_client: int = 100
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1 or self.max_queue < 0 or self.queue_timeout_s < 0:
             raise ValueError("--max-in-flight must be >= 1, --max-queue and --queue-timeout >= 0")
         if self.max_in_flight_per_client < 0 or self.max_queue_per_client < 0:
             raise ValueError("--max-in-flight-per-client and --max-queue-per-client must be >= 0 (0: no cap)")
+        if self.instant_refusals_per_client < 0:
+            raise ValueError(f"--instant-refusals-per-client {self.instant_refusals_per_client}: must be >= 0 "
+                             "(0: never pause)")
 
 
 @dataclass(eq=False)
@@ -57,6 +77,8 @@ class Admission:
         self._waiting: dict[str, collections.deque[_Waiter]] = {}  # client -> its waiters, oldest first
         self._queued = 0
         self._arrivals = itertools.count()
+        self._refused: dict[str, tuple[float, int]] = {}  # client -> (its second's start, refusals in it)
+        self.pausing = 0  # refusals waiting out their pause now
 
     @property
     def queued(self) -> int:
@@ -106,9 +128,9 @@ class Admission:
             return
         per_client = config.max_queue_per_client
         if per_client and len(self._waiting.get(client, ())) >= per_client:
-            raise Overloaded(f"this client has {self._running_by[client]} requests running and "
-                             f"{len(self._waiting[client])} queued, the most one client may queue "
-                             "(--max-queue-per-client); retry later")
+            await self._refuse(client, deadline, f"this client has {self._running_by[client]} requests running "
+                               f"and {len(self._waiting[client])} queued, the most one client may queue "
+                               "(--max-queue-per-client); retry later")
         loop = asyncio.get_running_loop()
         timeout = config.queue_timeout_s
         if deadline is not None:
@@ -121,8 +143,8 @@ class Admission:
             return
         if self._queued > config.max_queue:
             self._forget(waiter)
-            raise Overloaded(f"gateway overloaded: {self.running} requests running and {self._queued} "
-                             "queued, the most it takes; retry later")
+            await self._refuse(client, deadline, f"gateway overloaded: {self.running} requests running and "
+                               f"{self._queued + 1} queued, the most it takes; retry later")
         try:
             async with asyncio.timeout(timeout):  # not wait_for, which may swallow a cancel (journey.reserve)
                 await asyncio.shield(waiter.turn)
@@ -140,6 +162,27 @@ class Admission:
             raise
         finally:
             self._forget(waiter)
+
+    async def _refuse(self, client: str, deadline: float | None, message: str) -> NoReturn:
+        """Raise Overloaded(message): at once, or after a pause when the client was refused more than its instant
+        refusals this second (see the module's docstring)."""
+        now = asyncio.get_running_loop().time()
+        start, count = self._refused.get(client, (now, 0))
+        if now - start >= 1.0:
+            start, count = now, 0
+        if len(self._refused) >= 4 * (self.config.max_queue + 1):  # forget the clients of seconds gone by
+            self._refused = {c: seen for c, seen in self._refused.items() if now - seen[0] < 1.0}
+        self._refused[client] = start, count + 1
+        pause = REFUSAL_PAUSE_S if deadline is None else min(REFUSAL_PAUSE_S, 0.9 * (deadline - now))
+        allowance = self.config.instant_refusals_per_client
+        if not allowance or count < allowance or pause <= 0 or self.pausing >= self.config.max_queue:
+            raise Overloaded(message)
+        self.pausing += 1
+        try:
+            await asyncio.sleep(pause)
+        finally:
+            self.pausing -= 1
+        raise Overloaded(message, paused=True)
 
     def _start(self, client: str) -> None:
         self.running += 1

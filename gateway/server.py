@@ -77,7 +77,7 @@ class GatewayConfig:
     decode: list[str] = field(default_factory=list)
     model: str = DEFAULT_MODEL  # for the tokenizer; must be the model the workers serve
     startup_timeout_s: float = 300.0
-    colocate_below: int = 0  # prompts shorter than this are prefilled by the decode worker itself...
+    colocate_below: int = 512  # prompts shorter than this are prefilled by the decode worker itself...
     colocate_queued: int = 256  # ...while the least loaded prefill worker holds this many prompt tokens (Colocation)
     placement: str = "model"  # "model": by each choice's predicted TTFT (placement.py); "threshold": the two above
     target_tpot_ms: int = 0  # a request's default Slo.tpot_ms (0: none)
@@ -146,7 +146,8 @@ class GatewayConfig:
                    admission=AdmissionConfig(max_in_flight=args.max_in_flight, max_queue=args.max_queue,
                                              queue_timeout_s=args.queue_timeout_s,
                                              max_in_flight_per_client=args.max_in_flight_per_client,
-                                             max_queue_per_client=args.max_queue_per_client),
+                                             max_queue_per_client=args.max_queue_per_client,
+                                             instant_refusals_per_client=args.instant_refusals_per_client),
                    poll_interval_s=args.poll_interval_s, http_port=args.http_port, api_key_file=args.api_key_file,
                    served_model_name=args.served_model_name, prefix_balance_tokens=args.prefix_balance_tokens,
                    http_body_timeout_s=args.http_body_timeout_s, http_deadline_s=args.http_deadline_s,
@@ -164,7 +165,8 @@ class GatewayConfig:
         group.add_argument("--model", default=DEFAULT_MODEL, help="model directory whose tokenizer to use")
         group.add_argument("--colocate-below", type=int, default=GatewayConfig.colocate_below, metavar="TOKENS",
                            help="prompts shorter than this go to a decode worker that prefills them itself "
-                           "(conditional disaggregation; default: %(default)s, never)")
+                           "(conditional disaggregation), with --placement threshold or until the workers report "
+                           "costs (default: %(default)s; 0: never)")
         group.add_argument("--colocate-queued", type=int, default=GatewayConfig.colocate_queued, metavar="TOKENS",
                            help="...but only while the least loaded prefill worker has at least this many prompt "
                            "tokens queued or running: an idle prefill worker costs the decode batch nothing "
@@ -194,6 +196,11 @@ class GatewayConfig:
         group.add_argument("--max-queue-per-client", type=int, default=AdmissionConfig.max_queue_per_client,
                            help="requests one client may have waiting; beyond it, RESOURCE_EXHAUSTED (HTTP 429) "
                            "with a retry hint at once (default: %(default)s; 0: no cap)")
+        group.add_argument("--instant-refusals-per-client", type=int,
+                           default=AdmissionConfig.instant_refusals_per_client,
+                           help="refusals a second one client gets at once; past that it is retrying without "
+                           "waiting, and each further refusal that second is answered after a pause of up to "
+                           "1 s, so a flood costs the gateway little (default: %(default)s; 0: never pause)")
         group.add_argument("--client-stall-timeout", type=float, default=DEFAULT_CLIENT_STALL_TIMEOUT_S,
                            dest="client_stall_timeout_s",
                            help="seconds a client may leave a write of its stream (gRPC or HTTP) undrained before "
@@ -377,6 +384,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                       "pdserve_retries": "attempts retried on another worker before the first token",
                       "pdserve_migrations": "streams moved to another decode worker mid-stream",
                       "pdserve_rejections": "requests refused for capacity (RESOURCE_EXHAUSTED)",
+                      "pdserve_paused_refusals": "refusals answered after a pause, their client refused more than "
+                      "--instant-refusals-per-client times in a second",
                       "pdserve_client_stalls": "requests cut because their client read nothing for "
                                                "--client-stall-timeout",
                       "pdserve_prompt_tokens": "prompt tokens of finished requests",
@@ -554,6 +563,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         yield response
         except Overloaded as exc:
             self.metrics.count("pdserve_rejections")
+            if exc.paused:
+                self.metrics.count("pdserve_paused_refusals")
             raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc),
                                retry_after_ms=self.admission.retry_after_ms) from None
         except GatewayError as exc:

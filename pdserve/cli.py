@@ -82,10 +82,6 @@ def _add_cluster(commands: argparse._SubParsersAction) -> None:
     cluster.add_argument("--prefill-ports", default="", help="comma-separated ports for the prefill workers")
     cluster.add_argument("--decode-ports", default="", help="comma-separated ports for the decode workers")
     cluster.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: cores / workers)")
-    cluster.add_argument("--colocate-below", type=int, default=512, metavar="TOKENS",
-                         help="prompts shorter than this are prefilled by a decode worker itself, in chunks of 32 "
-                         "tokens between decode steps, while the prefill worker is busy (the gateway's "
-                         "--colocate-queued) (default: %(default)s; 0: never)")
     cluster.add_argument("--no-pin", action="store_false", dest="pin",
                          help="do not give each worker its own cores (by default they are pinned when there are "
                          "enough: workers x threads <= cores)")
@@ -185,7 +181,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
                          prefill_ports=_ports(args.prefill_ports), decode_ports=_ports(args.decode_ports),
                          threads=args.threads, prefill_args=tuple(args.prefill_arg),
                          gateway_args=tuple(args.gateway_arg), decode_args=tuple(args.decode_arg), pin=args.pin,
-                         colocate_below=args.colocate_below, trace_dir=args.trace_dir, tls_dir=args.tls_dir,
+                         trace_dir=args.trace_dir, tls_dir=args.tls_dir,
                          log_format=args.log_format if args.log_format != "text" else "")
 
 

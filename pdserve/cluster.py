@@ -21,10 +21,9 @@ from serving.models import DEFAULT_MODEL
 from serving.tls import TLS
 from serving.tls import channel as tls_channel
 
-# tokens: ~40 ms of bf16 prefill on one core with AMX. On an AVX2-only EPYC the same chunk takes ~100 ms, and the
-# decode worker's --prefill-pass-ms (35 by default) pauses it at a layer boundary for a decode step (layered
-# prefill), so a running stream still waits about a step plus 35 ms at most (docs/benchmarks.md, "serve")
-COLOCATED_CHUNK = 32
+# With no prefill workers (--prefill 0) every prompt is colocated: decode workers prefill in chunks this long
+# instead of their default 32 tokens, which keeps a running stream's wait short beside a prefill tier
+ALL_COLOCATED_CHUNK = 256
 
 
 @dataclass(frozen=True)
@@ -45,11 +44,7 @@ class ClusterConfig:
     gateway_args: tuple[str, ...] = ()  # extra flags for the gateway
     startup_timeout_s: float = 300.0
     pin: bool = True  # give each worker its own cores when there are enough (prefill never steals decode's)
-    # The gateway sends prompts shorter than this to decode workers that prefill them, in chunks of
-    # COLOCATED_CHUNK between decode steps, while the prefill worker is busy (the gateway's --colocate-queued): a
-    # chat prompt then neither waits behind a document on the prefill worker nor stalls the decode batch for long
-    # (`pdserve bench serve`, README "Against other servers").
-    colocate_below: int = 512
+    colocate_below: int | None = None  # the gateway's --colocate-below; None: its default
     trace_dir: str = ""  # every process appends its spans here (OTLP JSON lines) for `pdserve trace`
     log_format: str = ""  # "json": every process logs JSON lines (trace and request ids on request lines)
     tls_dir: str = ""  # mutual TLS between every process, with the certificates deploy/make-certs.sh writes here
@@ -194,6 +189,20 @@ def wait_healthy(address: str, timeout_s: float, tls: TLS | None = None, expect:
             time.sleep(0.2)
 
 
+def role_args(config: ClusterConfig, role: str) -> list[str]:
+    """The flags a role's services get beyond where they listen and what they load: none but the user's own, so
+    that `pdserve cluster` runs the services' defaults, the profile compose and Kubernetes run too
+    (tests/test_config_defaults.py), except where its config says otherwise. The user's flags come last: the last
+    of a flag given twice wins."""
+    if role == "gateway":
+        colocate = [] if config.colocate_below is None else [f"--colocate-below={config.colocate_below}"]
+        return [*colocate, *config.gateway_args]
+    if role == "decode":
+        whole = [] if config.prefill else [f"--prefill-chunk={ALL_COLOCATED_CHUNK}"]
+        return [*whole, *config.decode_args]
+    return list(config.prefill_args)
+
+
 def start(config: ClusterConfig) -> Cluster:
     model_dir = str(resolve_model(config.model))  # convert the default model once, before workers race for it
     deadline = time.monotonic() + config.startup_timeout_s
@@ -212,12 +221,10 @@ def start(config: ClusterConfig) -> Cluster:
         env[LOG_FORMAT_ENV] = config.log_format
     workers: list[Service] = []
     cpus = iter(config.worker_cpus())
-    # decode workers prefill short prompts in small chunks (a flag in decode_args still wins: the last one does)
-    colocated = [f"--prefill-chunk={COLOCATED_CHUNK}"] if config.colocate_below and config.prefill else []
     try:
-        for role, count, ports, extra in (("prefill", config.prefill, config.prefill_ports, config.prefill_args),
-                                          ("decode", config.decode, config.decode_ports,
-                                           (*colocated, *config.decode_args))):
+        for role, count, ports in (("prefill", config.prefill, config.prefill_ports),
+                                   ("decode", config.decode, config.decode_ports)):
+            extra = role_args(config, role)
             for i in range(count):
                 port = ports[i] if ports else 0
                 workers.append(spawn_service(role, f"{role}_service", [*worker_flags, *tls_flags(role), *extra,
@@ -226,9 +233,9 @@ def start(config: ClusterConfig) -> Cluster:
         prefill = [w for w in workers if w.role == "prefill"]
         decode = [w for w in workers if w.role == "decode"]
         gateway_args = ["--host", config.host, "--port", str(config.gateway_port), "--model", model_dir,
-                        "--colocate-below", str(config.colocate_below), "--http-port", str(config.http_port)]
+                        "--http-port", str(config.http_port)]
         gateway_args += [f"--prefill={w.address}" for w in prefill] + [f"--decode={w.address}" for w in decode]
-        gateway_args += [*tls_flags("gateway"), *config.gateway_args]
+        gateway_args += [*tls_flags("gateway"), *role_args(config, "gateway")]
         gateway = spawn_service("gateway", "gateway", gateway_args, env=env)
         workers.append(gateway)
         wait_ready([gateway], deadline - time.monotonic())

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from decode_service.server import DecodeConfig
 from gateway.server import GatewayConfig
 from model_runner.loading import ModelConfig, add_model_args, model_config
 from pdserve import cli
-from pdserve.cluster import ClusterConfig
+from pdserve.cluster import ClusterConfig, role_args
 from prefill_service.server import PrefillConfig
 from serving.server import ServerConfig, add_server_args, server_config
 
@@ -57,3 +59,49 @@ def test_pdserve_cluster_with_no_flags_gets_cluster_config_defaults() -> None:
 def test_a_decode_pass_budget_out_of_range_is_refused_naming_its_flag(field: str, value: float, flag: str) -> None:
     with pytest.raises(ValueError, match=flag):
         DecodeConfig(server=ServerConfig(), model=ModelConfig(), **{field: value})
+
+
+# Where each service runs, what it loads and how it reaches the others: a deployment's own business. Everything else
+# is the tuning profile, which every way of deploying pdserve must run alike.
+DEPLOYMENT_FIELDS = {
+    "gateway": ("server", "prefill", "decode", "model", "http_port", "api_key_file"),
+    "prefill": ("server", "model", "kv_shm"),  # Kubernetes pods share no /dev/shm: --no-kv-shm
+    "decode": ("server", "model", "kv_shm", "kv_port"),  # ... and decode takes KV on a port of its own there
+}
+CONFIGS = {"gateway": GatewayConfig, "prefill": PrefillConfig, "decode": DecodeConfig}
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+
+
+def _profile(role: str, argv: list[str]) -> Any:
+    """The config `argv` starts `role` with, its deployment fields set to the defaults'."""
+    parser = argparse.ArgumentParser()
+    CONFIGS[role].add_args(parser)
+    args = parser.parse_args(argv)
+    if role == "gateway":
+        args.api_key_file = ""  # a path inside the pod
+    config = CONFIGS[role].from_args(args)
+    reference = CONFIGS[role].from_args(parser.parse_args(["--decode", DECODE] if role == "gateway" else []))
+    return dataclasses.replace(config, **{name: getattr(reference, name) for name in DEPLOYMENT_FIELDS[role]})
+
+
+def _compose_args(role: str) -> list[str]:
+    services = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]
+    command = services[role]["command"]
+    return command[1:]
+
+
+def _kubernetes_args(role: str) -> list[str]:
+    manifests = yaml.safe_load_all((DEPLOY / "k8s" / f"{role}.yaml").read_text())
+    deployment = next(m for m in manifests if m and m["kind"] == "Deployment")
+    return deployment["spec"]["template"]["spec"]["containers"][0]["args"][1:]
+
+
+@pytest.mark.parametrize("role", ["gateway", "prefill", "decode"])
+def test_compose_kubernetes_and_pdserve_cluster_run_one_profile(role: str) -> None:
+    """Every tuning flag has one value wherever pdserve is deployed: `pdserve cluster` (what the benchmarks run),
+    docker-compose and the Kubernetes base each start `role` with the same config but for where it runs."""
+    cluster = _profile(role, role_args(ClusterConfig(), role) + (["--decode", DECODE] if role == "gateway" else []))
+    assert _profile(role, _compose_args(role)) == cluster, "docker-compose.yml tunes differently"
+    assert _profile(role, _kubernetes_args(role)) == cluster, "the Kubernetes base tunes differently"
+    assert cluster == _profile(role, ["--decode", DECODE] if role == "gateway" else []), \
+        "pdserve cluster passes a tuning flag: make it the service's default instead"

@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from gateway import admission as admission_module
 from gateway.admission import Admission, AdmissionConfig, Overloaded
 from pdserve.client import generate
 from pdserve.cluster import Cluster
@@ -280,6 +281,53 @@ def test_a_client_at_its_running_cap_waits_while_others_take_free_places() -> No
             await second  # its queue timeout passed while a still ran its one
         hold.set()
         await asyncio.gather(first, other)
+        assert (admission.running, admission.queued) == (0, 0)
+
+    asyncio.run(scenario())
+
+
+def test_a_client_refused_faster_than_its_instant_refusals_waits_for_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Client a, at its caps, is refused 3 times at once (its instant refusals a second); its next refusals wait
+    (the pause; one whose deadline is sooner only until shortly before it), while client b is still refused at
+    once; and no more refusals wait than --max-queue, the rest are answered at once."""
+    monkeypatch.setattr(admission_module, "REFUSAL_PAUSE_S", 60.0)  # longer than the test: no timing race
+
+    async def scenario() -> None:
+        admission = Admission(AdmissionConfig(max_in_flight=1, max_queue=1, queue_timeout_s=30,
+                                              max_in_flight_per_client=1, max_queue_per_client=1,
+                                              instant_refusals_per_client=3))
+        hold = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        async def request(client: str, deadline: float | None = None) -> None:
+            async with admission.slot(deadline, client):
+                await hold.wait()
+
+        running = [asyncio.ensure_future(request("a")) for _ in range(2)]  # one runs, one queues
+        await asyncio.sleep(0.01)
+        assert (admission.running, admission.queued) == (1, 1)
+        for _ in range(3):
+            with pytest.raises(Overloaded, match="--max-queue-per-client") as refused:
+                await request("a")
+            assert not refused.value.paused
+        soon = loop.time() + 0.2
+        with pytest.raises(Overloaded) as refused:  # a's deadline is sooner than the pause: waits less
+            await asyncio.wait_for(request("a", soon), 30)
+        assert refused.value.paused and loop.time() < soon
+        paused = asyncio.ensure_future(request("a"))
+        await asyncio.sleep(0.05)
+        assert not paused.done() and admission.pausing == 1
+        with pytest.raises(Overloaded, match="gateway overloaded") as refused:  # b's first refusal: at once
+            await request("b")
+        assert not refused.value.paused and admission.queued == 1
+        with pytest.raises(Overloaded) as refused:  # --max-queue (1) refusals wait already: at once
+            await request("a")
+        assert not refused.value.paused
+        paused.cancel()
+        await asyncio.gather(paused, return_exceptions=True)
+        assert admission.pausing == 0
+        hold.set()
+        await asyncio.gather(*running)
         assert (admission.running, admission.queued) == (0, 0)
 
     asyncio.run(scenario())
