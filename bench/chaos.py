@@ -361,8 +361,11 @@ def link_fault(model: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def overload(model: str, args: argparse.Namespace) -> dict[str, Any]:
     running, queued = 4, 4
+    # The arrivals stand for many clients behind one address, refused at once each time: pausing the refusals of a
+    # client that retries too fast (--instant-refusals-per-client) is `bench abuse`'s subject, not this one's.
     cluster = _cluster(model, prefill=1, decode=1, gateway_args=(
-        f"--max-in-flight={running}", f"--max-queue={queued}", "--queue-timeout=30"))
+        f"--max-in-flight={running}", f"--max-queue={queued}", "--queue-timeout=30",
+        "--instant-refusals-per-client=0"))
     rng = random.Random(4)
     try:
         def rss_mb() -> float:

@@ -144,7 +144,7 @@ class Admission:
         if self._queued > config.max_queue:
             self._forget(waiter)
             await self._refuse(client, deadline, f"gateway overloaded: {self.running} requests running and "
-                               f"{self._queued + 1} queued, the most it takes; retry later")
+                               f"{self._queued} queued, the most it takes; retry later")
         try:
             async with asyncio.timeout(timeout):  # not wait_for, which may swallow a cancel (journey.reserve)
                 await asyncio.shield(waiter.turn)
