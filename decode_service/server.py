@@ -59,6 +59,7 @@ from serving import logs, tracing
 from serving import server as serving
 from serving.metrics import Metrics
 from serving.server import MAX_MESSAGE_BYTES, ServerConfig, add_server_args, server_config
+from serving.settings import add_settings, check_settings, read_settings, setting
 from serving.tls import require_peer
 
 log = logging.getLogger(__name__)
@@ -71,100 +72,58 @@ MIN_HEARTBEAT_MS = 50  # a colocated prompt's `prefilling` events: no caller may
 class DecodeConfig:
     server: ServerConfig
     model: ModelConfig
-    max_seqs: int = 64
-    kv_budget_mb: float = 0  # 0 = DEFAULT_KV_BUDGET_MB, or less when max_seqs full-context sequences need less
-    lease_s: float = 30.0
-    max_chunk_bytes: int = MAX_CHUNK_BYTES
-    kv_shm: bool = True  # lend shared-memory segments, so a prefill worker on this host skips the wire
+    max_seqs: int = setting(64, "sequences decoded at once", low=1)
+    kv_budget_mb: float = setting(
+        0.0, f"KV memory reservations may draw on: the paged KV cache's size (0: {DEFAULT_KV_BUDGET_MB} MiB, or less "
+        "if --max-seqs sequences at full context need less)", low=0)
+    lease_s: float = setting(
+        30.0, "seconds a reservation waits for its KV with no word from the prefill worker (a renewal while the "
+        "prompt is queued, a KV message once it streams)", flag="--lease", above=0)
+    max_chunk_bytes: int = setting(MAX_CHUNK_BYTES, "largest KV chunk accepted", above=0, high=MAX_MESSAGE_BYTES // 2)
+    # lend shared-memory segments, so a prefill worker on this host skips the wire
+    kv_shm: bool = setting(True, "lend no shared-memory segments: every KV byte comes over gRPC", flag="--no-kv-shm")
     # Colocated prompts: most tokens prefilled between two decode steps. 32 tokens are ~40 ms of bf16 prefill on one
     # core with AMX; where a chunk takes longer (~100 ms on an AVX2-only EPYC), --prefill-pass-ms pauses it at a
     # layer boundary for a decode step, so a running stream waits about a step plus 35 ms at most
     # (docs/benchmarks.md, "serve"). A worker with no prefill tier beside it prefills whole prompts: `pdserve
     # cluster --prefill 0` gives it 256.
-    prefill_chunk: int = 32
-    prefill_batch_tokens: int = 256  # colocated short prompts share a pass within this many padded tokens
-    prefill_pass_ms: float = 35  # > 0: a colocated pass this long since the last step pauses for one (0: never)
-    prefill_pass_steps: float = 1.25  # > 0: ... or this many decode steps long, if less (0: the ms alone)
-    buffer_keep_mb: float = 1024  # idle shared-memory segments kept warm for the next reservations
-    kv_warm_mb: float = 1024  # KV cache memory committed at startup (the blocks used first)
-    kv_port: int = -1  # TransferKV's own port: -1 = the main port; 0 = a free one
+    prefill_chunk: int = setting(
+        32, "colocated prompts: longer ones are prefilled in passes of this many tokens between two decode steps",
+        low=1)
+    prefill_batch_tokens: int = setting(
+        256, "colocated short prompts share one pass while the padded batch holds at most this many tokens", low=1)
+    prefill_pass_ms: float = setting(
+        35.0, "colocated prompts: while streams run, a prompt pass that has run this many ms since the last decode "
+        "step pauses at its next layer boundary for one, so a stream waits about a step plus this for its next "
+        "token; 0: passes run whole", low=0)
+    prefill_pass_steps: float = setting(
+        1.25, "colocated prompts: the pause comes sooner, once the pass has run this many decode steps (their "
+        "recent mean) if that is less than --prefill-pass-ms, so on a fast machine a stream's slowest token "
+        "interval stays near 1 + this many steps; 0: --prefill-pass-ms alone", low=0)
+    buffer_keep_mb: float = setting(
+        1024.0, "idle shared-memory KV segments kept warm for later requests", flag="--kv-buffer-keep-mb", low=0)
+    kv_warm_mb: float = setting(
+        1024.0, "KV cache memory committed at startup, so joining sequences do not stall the batch on page faults",
+        low=0)
+    kv_port: int = setting(
+        -1, "serve TransferKV (the KV stream from prefill) on this port of its own, so a network policy can open it "
+        "to prefill workers only; 0 picks a free one; -1 serves it on --port", low=-1, high=65535)
 
     def __post_init__(self) -> None:
-        if self.max_seqs < 1:
-            raise ValueError(f"--max-seqs {self.max_seqs}: must be >= 1")
-        if self.kv_budget_mb < 0:
-            raise ValueError(f"--kv-budget-mb {self.kv_budget_mb}: must be >= 0")
-        if self.lease_s <= 0:
-            raise ValueError(f"--lease {self.lease_s}: must be > 0")
-        if not 0 < self.max_chunk_bytes <= MAX_MESSAGE_BYTES // 2:
-            raise ValueError(f"--max-chunk-bytes {self.max_chunk_bytes}: must be in (0, {MAX_MESSAGE_BYTES // 2}]")
-        if self.prefill_chunk < 1 or self.prefill_batch_tokens < 1:
-            raise ValueError(f"--prefill-chunk {self.prefill_chunk}, --prefill-batch-tokens "
-                             f"{self.prefill_batch_tokens}: must be >= 1")
-        if self.prefill_pass_ms < 0:
-            raise ValueError(f"--prefill-pass-ms {self.prefill_pass_ms}: must be >= 0")
-        if not self.prefill_pass_steps >= 0:  # NaN too
-            raise ValueError(f"--prefill-pass-steps {self.prefill_pass_steps}: must be >= 0")
-        if self.buffer_keep_mb < 0:
-            raise ValueError(f"--kv-buffer-keep-mb {self.buffer_keep_mb}: must be >= 0")
-        if self.kv_warm_mb < 0:
-            raise ValueError(f"--kv-warm-mb {self.kv_warm_mb}: must be >= 0")
-        if not -1 <= self.kv_port < 65536 or (self.kv_port and self.kv_port == self.server.port):
+        check_settings(self)
+        if self.kv_port > 0 and self.kv_port == self.server.port:
             raise ValueError(f"--kv-port {self.kv_port}: expected -1 (the main port), 0 (a free one) or a port "
                              "other than --port")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DecodeConfig:
-        return cls(server=server_config(args), model=model_config(args), max_seqs=args.max_seqs,
-                   kv_budget_mb=args.kv_budget_mb, lease_s=args.lease_s, max_chunk_bytes=args.max_chunk_bytes,
-                   kv_shm=args.kv_shm, buffer_keep_mb=args.buffer_keep_mb, prefill_chunk=args.prefill_chunk,
-                   prefill_batch_tokens=args.prefill_batch_tokens, prefill_pass_ms=args.prefill_pass_ms,
-                   prefill_pass_steps=args.prefill_pass_steps, kv_warm_mb=args.kv_warm_mb,
-                   kv_port=args.kv_port)
+        return read_settings(cls, args, server=server_config(args), model=model_config(args))
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
         add_server_args(parser)
         add_model_args(parser)
-        group = parser.add_argument_group("decode")
-        group.add_argument("--max-seqs", type=int, default=DecodeConfig.max_seqs,
-                           help="sequences decoded at once (default: %(default)s)")
-        group.add_argument("--kv-budget-mb", type=float, default=DecodeConfig.kv_budget_mb,
-                           help=f"KV memory reservations may draw on: the paged KV cache's size (0: "
-                           f"{DEFAULT_KV_BUDGET_MB} MiB, or less if --max-seqs sequences at full context need less)")
-        group.add_argument("--lease", type=float, default=DecodeConfig.lease_s, dest="lease_s",
-                           help="seconds a reservation waits for its KV with no word from the prefill worker (a "
-                           "renewal while the prompt is queued, a KV message once it streams) (default: %(default)s)")
-        group.add_argument("--max-chunk-bytes", type=int, default=MAX_CHUNK_BYTES,
-                           help="largest KV chunk accepted (default: %(default)s)")
-        group.add_argument("--no-kv-shm", action="store_false", dest="kv_shm",
-                           help="lend no shared-memory segments: every KV byte comes over gRPC")
-        group.add_argument("--prefill-chunk", type=int, default=DecodeConfig.prefill_chunk,
-                           help="colocated prompts: longer ones are prefilled in passes of this many tokens between "
-                           "two decode steps (default: %(default)s)")
-        group.add_argument("--prefill-batch-tokens", type=int, default=DecodeConfig.prefill_batch_tokens,
-                           help="colocated short prompts share one pass while the padded batch holds at most this "
-                           "many tokens (default: %(default)s)")
-        group.add_argument("--prefill-pass-ms", type=float, default=DecodeConfig.prefill_pass_ms,
-                           help="colocated prompts: while streams run, a prompt pass that has run this many ms "
-                           "since the last decode step pauses at its next layer boundary for one, so a stream "
-                           "waits about a step plus this for its next token; 0: passes run whole "
-                           "(default: %(default)s)")
-        group.add_argument("--prefill-pass-steps", type=float, default=DecodeConfig.prefill_pass_steps,
-                           help="colocated prompts: the pause comes sooner, once the pass has run this many decode "
-                           "steps (their recent mean) if that is less than --prefill-pass-ms, so on a fast machine a "
-                           "stream's slowest token interval stays near 1 + this many steps; 0: --prefill-pass-ms "
-                           "alone (default: %(default)s)")
-        group.add_argument("--kv-buffer-keep-mb", type=float, default=DecodeConfig.buffer_keep_mb,
-                           dest="buffer_keep_mb",
-                           help="idle shared-memory KV segments kept warm for later requests (default: %(default)s)")
-        group.add_argument("--kv-port", type=int, default=DecodeConfig.kv_port,
-                           help="serve TransferKV (the KV stream from prefill) on this port of its own, so a network "
-                           "policy can open it to prefill workers only; 0 picks a free one; -1 serves it on --port "
-                           "(default)")
-        group.add_argument("--kv-warm-mb", type=float, default=DecodeConfig.kv_warm_mb,
-                           help="KV cache memory committed at startup, so joining "
-                           "sequences do not stall the batch on page faults (default: %(default)s)")
+        add_settings(parser.add_argument_group("decode"), DecodeConfig)
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):

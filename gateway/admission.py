@@ -26,6 +26,8 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import NoReturn
 
+from serving.settings import check_settings, setting
+
 
 class Overloaded(Exception):
     """Refused for capacity (the client is told to retry after `Admission.retry_after_ms`)."""
@@ -40,25 +42,28 @@ REFUSAL_PAUSE_S = 1.0  # a refusal past a client's instant ones waits this long 
 
 @dataclass(frozen=True)
 class AdmissionConfig:
-    max_in_flight: int = 64
-    max_queue: int = 256
-    queue_timeout_s: float = 10.0
+    max_in_flight: int = setting(64, "requests running at once; more wait in the queue", low=1)
+    max_queue: int = setting(256, "requests waiting for a place; beyond it a request is refused at once with "
+                             "RESOURCE_EXHAUSTED and a retry-after-ms hint", low=0)
+    queue_timeout_s: float = setting(10.0, "seconds a request waits for a place, and then for decode room, before "
+                                     "RESOURCE_EXHAUSTED", flag="--queue-timeout", low=0)
     # Half the running places: a single client can never take every place, and on its own it still runs as many
-    # requests at once as this machine's decode batch serves well. 0: no per-client cap.
-    max_in_flight_per_client: int = 32
-    max_queue_per_client: int = 64  # a quarter of the queue; 0: no per-client cap
+    # requests at once as this machine's decode batch serves well.
+    max_in_flight_per_client: int = setting(
+        32, "requests one client (an API key; without keys, a peer address) may run at once; more wait in the "
+        "queue, where places go to the client running fewest; 0: no cap", low=0)
+    max_queue_per_client: int = setting(  # a quarter of the queue
+        64, "requests one client may have waiting; beyond it, RESOURCE_EXHAUSTED (HTTP 429) with a retry hint at "
+        "once; 0: no cap", low=0)
     # Well above what one client behind a proxy meets at 10x overload here (~70 refusals a second in `bench
-    # chaos`), well below a client that retries at once (~450 a second in `bench abuse`). 0: never pause.
-    instant_refusals_per_client: int = 100
+    # chaos`), well below a client that retries at once (~450 a second in `bench abuse`).
+    instant_refusals_per_client: int = setting(
+        100, "refusals a second one client gets at once; past that it is retrying without waiting, and each "
+        "further refusal that second is answered after a pause of up to 1 s, so a flood costs the gateway little; "
+        "0: never pause", low=0)
 
     def __post_init__(self) -> None:
-        if self.max_in_flight < 1 or self.max_queue < 0 or self.queue_timeout_s < 0:
-            raise ValueError("--max-in-flight must be >= 1, --max-queue and --queue-timeout >= 0")
-        if self.max_in_flight_per_client < 0 or self.max_queue_per_client < 0:
-            raise ValueError("--max-in-flight-per-client and --max-queue-per-client must be >= 0 (0: no cap)")
-        if self.instant_refusals_per_client < 0:
-            raise ValueError(f"--instant-refusals-per-client {self.instant_refusals_per_client}: must be >= 0 "
-                             "(0: never pause)")
+        check_settings(self)
 
 
 @dataclass(eq=False)
@@ -145,16 +150,30 @@ class Admission:
             self._forget(waiter)
             await self._refuse(client, deadline, f"gateway overloaded: {self.running} requests running and "
                                f"{self._queued} queued, the most it takes; retry later")
+        waited = 0.0
         try:
-            async with asyncio.timeout(timeout):  # not wait_for, which may swallow a cancel (journey.reserve)
-                await asyncio.shield(waiter.turn)
+            while True:
+                try:
+                    async with asyncio.timeout(timeout):  # not wait_for, which may swallow a cancel (journey.reserve)
+                        await asyncio.shield(waiter.turn)
+                    return
+                except TimeoutError:
+                    if waiter.turn.done():  # handed a place just as the wait ended: give it back to the next in line
+                        self._leave(client)
+                        raise
+                    waited += timeout
+                    # Held back only by its own client's running requests while the gateway has places free: it
+                    # waits on its own client, not on anyone else, so it waits on as its deadline allows.
+                    left = None if deadline is None else deadline - loop.time()
+                    if self._under_cap(client) or self.running >= config.max_in_flight or (left is not None
+                                                                                           and left <= 0):
+                        raise
+                    timeout = config.queue_timeout_s if left is None else min(config.queue_timeout_s, left)
         except TimeoutError:
-            if waiter.turn.done():  # handed a place just as the wait ended: give it back to the next in line
-                self._leave(client)
             capped = "" if self._under_cap(client) else (
                 f"; this client has {self._running_by[client]} running, the most one client may "
                 "(--max-in-flight-per-client)")
-            raise Overloaded(f"gateway overloaded: no place for this request within {timeout:.3g} s in the "
+            raise Overloaded(f"gateway overloaded: no place for this request within {waited:.3g} s in the "
                              f"queue{capped}; retry later") from None
         except asyncio.CancelledError:
             if waiter.turn.done():

@@ -26,6 +26,7 @@ from gateway.workers import PairBreakers, Pool, Worker
 from protos import decode_pb2, prefill_pb2
 from protos.convert import sampling_to_pb
 from serving import tracing
+from serving.settings import check_settings, setting
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +51,11 @@ def kv_address(worker: str, kv_port: int) -> str:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    max_retries: int = 3  # new attempts after failures before the first token reached the client
-    max_migrations: int = 2  # moves to another decode worker after tokens were sent
-    backoff_s: float = 0.05  # the first wait; it doubles per attempt, with full jitter
+    max_retries: int = setting(3, "new attempts on other workers when one fails before the first token", low=0)
+    max_migrations: int = setting(
+        2, "moves of a stream to another decode worker when its worker fails mid-stream", low=0)
+    backoff_s: float = setting(0.05, "first wait before a retry, seconds; doubles each time, with jitter",
+                               flag="--retry-backoff", low=0)
     max_backoff_s: float = 1.0
     capacity_wait_s: float = 10.0  # how long a request waits for decode room before RESOURCE_EXHAUSTED
     capacity_poll_s: float = 0.02  # the first wait before asking again; it doubles up to 0.2 s
@@ -60,7 +63,13 @@ class RetryPolicy:
     # second at worst on a loaded CPU); one silent this long where it owes the next event is taken for frozen
     # (SIGSTOP, a hung kernel, a black-holed link) and the request moves on. None: wait as long as the call lasts.
     # A colocated prompt's prefill is bounded the same way: its worker sends a heartbeat every third of it.
-    idle_timeout_s: float | None = 5.0
+    idle_timeout_s: float | None = setting(
+        5.0, "seconds a decode worker may stay silent where it owes the next event (a reservation, the next tokens "
+        "once its KV is in) before it is taken for frozen: the request goes to another worker, a stream migrates; "
+        "0 turns it off", flag="--idle-timeout", low=0)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
 
     def delay(self, attempt: int) -> float:
         return random.uniform(0, min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -66,6 +67,7 @@ from serving import server as serving
 from serving.metrics import Metrics
 from serving.models import DEFAULT_MODEL, model_dir
 from serving.server import ServerConfig, add_server_args, server_config
+from serving.settings import add_settings, check_settings, read_settings, setting
 
 log = logging.getLogger(__name__)
 
@@ -75,56 +77,61 @@ class GatewayConfig:
     server: ServerConfig
     prefill: list[str] = field(default_factory=list)
     decode: list[str] = field(default_factory=list)
-    model: str = DEFAULT_MODEL  # for the tokenizer; must be the model the workers serve
-    startup_timeout_s: float = 300.0
-    colocate_below: int = 512  # prompts shorter than this are prefilled by the decode worker itself...
-    colocate_queued: int = 256  # ...while the least loaded prefill worker holds this many prompt tokens (Colocation)
-    placement: str = "model"  # "model": by each choice's predicted TTFT (placement.py); "threshold": the two above
-    target_tpot_ms: int = 0  # a request's default Slo.tpot_ms (0: none)
-    target_ttft_ms: int = 0  # a request's default Slo.ttft_ms (0: none)
+    model: str = setting(DEFAULT_MODEL, "model directory whose tokenizer to use (the model the workers serve)")
+    startup_timeout_s: float = setting(300.0, "seconds to wait for every worker to answer", flag="--startup-timeout",
+                                       low=0)
+    colocate_below: int = setting(
+        512, "prompts shorter than this go to a decode worker that prefills them itself (conditional "
+        "disaggregation), with --placement threshold or until the workers report costs; 0: never",
+        metavar="TOKENS", low=0)
+    colocate_queued: int = setting(
+        256, "...but only while the least loaded prefill worker has at least this many prompt tokens queued or "
+        "running: an idle prefill worker costs the decode batch nothing; 0: whenever they are short",
+        metavar="TOKENS", low=0)
+    placement: str = setting(
+        "model", "model: each prompt runs where the workers' measured costs predict its first token soonest, on a "
+        "prefill worker or colocated on a decode worker, whatever its length; the two flags above decide only "
+        "until the workers report costs. threshold: they always decide", choices=("model", "threshold"))
+    target_tpot_ms: int = setting(
+        0, "the time between tokens a request asks for unless it says (its slo.tpot_ms): placement avoids choices "
+        "predicted slower, and a decode worker then gives colocated prompts the rest of its core instead of "
+        "--prefill-pass-ms; 0: none", metavar="MS", low=0, high=MAX_TPOT_TARGET_MS)
+    target_ttft_ms: int = setting(
+        0, "the time to first token a request asks for unless it says (its slo.ttft_ms); a request with "
+        "slo.refuse_late predicted past it is refused at once; 0: none", metavar="MS", low=0, high=MAX_TTFT_TARGET_MS)
     retry: RetryPolicy = RetryPolicy()
     admission: AdmissionConfig = AdmissionConfig()
-    poll_interval_s: float = 0.5  # how often each worker's health and load are read
-    http_port: int = 0  # OpenAI-compatible HTTP; 0 = a free port, reported with the address; -1 = off
-    api_key_file: str = ""  # API keys, one per line (also PDSERVE_API_KEYS); none: no key needed
-    served_model_name: str = ""  # the model's name in the HTTP API; default: the model directory's name
-    prefix_balance_tokens: int = 2048  # prefix-aware routing's leeway in queued tokens; -1 = by load alone
+    poll_interval_s: float = setting(
+        0.5, "seconds between reads of each worker's health and load, which pick the least loaded worker and route "
+        "around draining ones", flag="--poll-interval", above=0)
+    http_port: int = setting(
+        0, "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models); 0 picks a "
+        "free one, reported with the address; -1 turns it off", low=-1, high=65535)
+    api_key_file: str = setting(
+        "", "file of API keys, one per line, that clients must send as `authorization: Bearer KEY` (gRPC metadata "
+        "or HTTP header); PDSERVE_API_KEYS (comma-separated) adds more", default_text="none: no key needed")
+    served_model_name: str = setting("", "the model's name in the HTTP API", default_text="the model directory's name")
+    prefix_balance_tokens: int = setting(
+        2048, "send a prompt to the prefill worker most likely to hold its prefix while that worker's queue is "
+        "within this many tokens of the least loaded one's; -1 routes by load alone", low=-1)
     keepalive: Keepalive = Keepalive()  # pings on every worker channel
-    http_body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # an HTTP body that takes longer to arrive gets 408
-    http_deadline_s: float = DEFAULT_HTTP_DEADLINE_S  # an HTTP request not done by then ends with 504
-    client_stall_timeout_s: float = DEFAULT_CLIENT_STALL_TIMEOUT_S  # a client that reads nothing this long is cut
-    max_http_connections: int = DEFAULT_MAX_CONNECTIONS  # open HTTP connections; past it a new one gets 503
+    http_body_timeout_s: float = setting(
+        DEFAULT_BODY_TIMEOUT_S, "seconds an HTTP request's body may take to arrive before 408",
+        flag="--http-body-timeout", above=0)
+    http_deadline_s: float = setting(
+        DEFAULT_HTTP_DEADLINE_S, "seconds an HTTP request may run in all, as a gRPC client's deadline does; past it "
+        "the request ends with 504 (or an error event, when streaming) and frees every worker",
+        flag="--http-deadline", above=0)
+    client_stall_timeout_s: float = setting(
+        DEFAULT_CLIENT_STALL_TIMEOUT_S, "seconds a client may leave a write of its stream (gRPC or HTTP) undrained "
+        "before the gateway cuts the request and frees everything it held", flag="--client-stall-timeout", above=0)
+    max_http_connections: int = setting(
+        DEFAULT_MAX_CONNECTIONS, "open HTTP connections at once; a new one past it is answered 503 and closed", low=1)
 
     def __post_init__(self) -> None:
         if not self.decode:
             raise ValueError("at least one --decode worker address is required")
-        if self.colocate_below < 0 or self.colocate_queued < 0:
-            raise ValueError(f"--colocate-below {self.colocate_below}, --colocate-queued {self.colocate_queued}: "
-                             "must be >= 0")
-        if self.placement not in ("model", "threshold"):
-            raise ValueError(f"--placement {self.placement!r}: expected model or threshold")
-        if not 0 <= self.target_tpot_ms <= MAX_TPOT_TARGET_MS or not 0 <= self.target_ttft_ms <= MAX_TTFT_TARGET_MS:
-            raise ValueError(f"--target-tpot-ms {self.target_tpot_ms}, --target-ttft-ms {self.target_ttft_ms}: "
-                             f"expected 0..{MAX_TPOT_TARGET_MS} and 0..{MAX_TTFT_TARGET_MS}")
-        if self.retry.max_retries < 0 or self.retry.max_migrations < 0 or self.retry.backoff_s < 0:
-            raise ValueError("--max-retries, --max-migrations and --retry-backoff must be >= 0")
-        if self.retry.idle_timeout_s is not None and self.retry.idle_timeout_s <= 0:
-            raise ValueError(f"--idle-timeout {self.retry.idle_timeout_s}: must be > 0 (0 turns it off)")
-        admission = self.admission
-        if admission.max_in_flight < 1 or admission.max_queue < 0 or admission.queue_timeout_s < 0:
-            raise ValueError("--max-in-flight must be >= 1, --max-queue and --queue-timeout >= 0")
-        if self.poll_interval_s <= 0:
-            raise ValueError(f"--poll-interval {self.poll_interval_s}: must be > 0")
-        if not -1 <= self.http_port < 65536:
-            raise ValueError(f"--http-port {self.http_port}: expected -1 (off) or 0..65535")
-        if not self.http_body_timeout_s > 0:
-            raise ValueError(f"--http-body-timeout {self.http_body_timeout_s}: must be > 0")
-        if not self.http_deadline_s > 0:
-            raise ValueError(f"--http-deadline {self.http_deadline_s}: must be > 0")
-        if self.max_http_connections < 1:
-            raise ValueError(f"--max-http-connections {self.max_http_connections}: must be >= 1")
-        if not self.client_stall_timeout_s > 0:
-            raise ValueError(f"--client-stall-timeout {self.client_stall_timeout_s}: must be > 0")
+        check_settings(self)
         if self.api_key_file and not os.path.isfile(self.api_key_file):
             raise ValueError(f"--api-key-file {self.api_key_file}: no such file")
         ApiKeys.load(self.api_key_file)  # a key file or PDSERVE_API_KEYS holding no key must not turn auth off
@@ -135,23 +142,11 @@ class GatewayConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> GatewayConfig:
-        return cls(server=server_config(args), prefill=_split(args.prefill), decode=_split(args.decode),
-                   model=args.model, startup_timeout_s=args.startup_timeout_s, colocate_below=args.colocate_below,
-                   colocate_queued=args.colocate_queued, placement=args.placement, target_tpot_ms=args.target_tpot_ms,
-                   target_ttft_ms=args.target_ttft_ms,
-                   retry=RetryPolicy(max_retries=args.max_retries, max_migrations=args.max_migrations,
-                                     backoff_s=args.retry_backoff_s, capacity_wait_s=args.queue_timeout_s,
-                                     idle_timeout_s=args.idle_timeout_s or None),
-                   keepalive=Keepalive(args.keepalive_s, args.keepalive_timeout_s),
-                   admission=AdmissionConfig(max_in_flight=args.max_in_flight, max_queue=args.max_queue,
-                                             queue_timeout_s=args.queue_timeout_s,
-                                             max_in_flight_per_client=args.max_in_flight_per_client,
-                                             max_queue_per_client=args.max_queue_per_client,
-                                             instant_refusals_per_client=args.instant_refusals_per_client),
-                   poll_interval_s=args.poll_interval_s, http_port=args.http_port, api_key_file=args.api_key_file,
-                   served_model_name=args.served_model_name, prefix_balance_tokens=args.prefix_balance_tokens,
-                   http_body_timeout_s=args.http_body_timeout_s, http_deadline_s=args.http_deadline_s,
-                   client_stall_timeout_s=args.client_stall_timeout_s, max_http_connections=args.max_http_connections)
+        retry = read_settings(RetryPolicy, args, capacity_wait_s=args.queue_timeout_s)
+        return read_settings(
+            cls, args, server=server_config(args), prefill=_split(args.prefill), decode=_split(args.decode),
+            retry=dataclasses.replace(retry, idle_timeout_s=retry.idle_timeout_s or None),
+            admission=read_settings(AdmissionConfig, args), keepalive=read_settings(Keepalive, args))
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
@@ -162,101 +157,8 @@ class GatewayConfig:
                            "colocated (decode workers prefill it themselves)")
         group.add_argument("--decode", action="append", default=[], metavar="HOST:PORT",
                            help="decode worker address (repeat, or comma-separate)")
-        group.add_argument("--model", default=DEFAULT_MODEL, help="model directory whose tokenizer to use")
-        group.add_argument("--colocate-below", type=int, default=GatewayConfig.colocate_below, metavar="TOKENS",
-                           help="prompts shorter than this go to a decode worker that prefills them itself "
-                           "(conditional disaggregation), with --placement threshold or until the workers report "
-                           "costs (default: %(default)s; 0: never)")
-        group.add_argument("--colocate-queued", type=int, default=GatewayConfig.colocate_queued, metavar="TOKENS",
-                           help="...but only while the least loaded prefill worker has at least this many prompt "
-                           "tokens queued or running: an idle prefill worker costs the decode batch nothing "
-                           "(default: %(default)s; 0: whenever they are short)")
-        group.add_argument("--placement", choices=("model", "threshold"), default=GatewayConfig.placement,
-                           help="model: each prompt runs where the workers' measured costs predict its first token "
-                           "soonest, on a prefill worker or colocated on a decode worker, whatever its length; the "
-                           "two flags above decide only until the workers report costs. threshold: they always "
-                           "decide (default: %(default)s)")
-        group.add_argument("--target-tpot-ms", type=int, default=GatewayConfig.target_tpot_ms, metavar="MS",
-                           help="the time between tokens a request asks for unless it says (its slo.tpot_ms): "
-                           "placement avoids choices predicted slower, and a decode worker then gives colocated "
-                           "prompts the rest of its core instead of --prefill-pass-ms (default: %(default)s, none)")
-        group.add_argument("--target-ttft-ms", type=int, default=GatewayConfig.target_ttft_ms, metavar="MS",
-                           help="the time to first token a request asks for unless it says (its slo.ttft_ms); a "
-                           "request with slo.refuse_late predicted past it is refused at once (default: "
-                           "%(default)s, none)")
-        group.add_argument("--max-in-flight", type=int, default=AdmissionConfig.max_in_flight,
-                           help="requests running at once; more wait in the queue (default: %(default)s)")
-        group.add_argument("--max-queue", type=int, default=AdmissionConfig.max_queue,
-                           help="requests waiting for a place; beyond it a request is refused at once with "
-                           "RESOURCE_EXHAUSTED and a retry-after-ms hint (default: %(default)s)")
-        group.add_argument("--max-in-flight-per-client", type=int, default=AdmissionConfig.max_in_flight_per_client,
-                           help="requests one client (an API key; without keys, a peer address) may run at once; "
-                           "more wait in the queue, where places go to the client running fewest "
-                           "(default: %(default)s; 0: no cap)")
-        group.add_argument("--max-queue-per-client", type=int, default=AdmissionConfig.max_queue_per_client,
-                           help="requests one client may have waiting; beyond it, RESOURCE_EXHAUSTED (HTTP 429) "
-                           "with a retry hint at once (default: %(default)s; 0: no cap)")
-        group.add_argument("--instant-refusals-per-client", type=int,
-                           default=AdmissionConfig.instant_refusals_per_client,
-                           help="refusals a second one client gets at once; past that it is retrying without "
-                           "waiting, and each further refusal that second is answered after a pause of up to "
-                           "1 s, so a flood costs the gateway little (default: %(default)s; 0: never pause)")
-        group.add_argument("--client-stall-timeout", type=float, default=DEFAULT_CLIENT_STALL_TIMEOUT_S,
-                           dest="client_stall_timeout_s",
-                           help="seconds a client may leave a write of its stream (gRPC or HTTP) undrained before "
-                           "the gateway cuts the request and frees everything it held (default: %(default)s)")
-        group.add_argument("--queue-timeout", type=float, default=AdmissionConfig.queue_timeout_s,
-                           dest="queue_timeout_s",
-                           help="seconds a request waits for a place, and then for decode room, before "
-                           "RESOURCE_EXHAUSTED (default: %(default)s)")
-        group.add_argument("--max-retries", type=int, default=RetryPolicy.max_retries,
-                           help="new attempts on other workers when one fails before the first token "
-                           "(default: %(default)s)")
-        group.add_argument("--max-migrations", type=int, default=RetryPolicy.max_migrations,
-                           help="moves of a stream to another decode worker when its worker fails mid-stream "
-                           "(default: %(default)s)")
-        group.add_argument("--retry-backoff", type=float, default=RetryPolicy.backoff_s, dest="retry_backoff_s",
-                           help="first wait before a retry, seconds; doubles each time, with jitter "
-                           "(default: %(default)s)")
-        group.add_argument("--idle-timeout", type=float, default=RetryPolicy.idle_timeout_s, dest="idle_timeout_s",
-                           help="seconds a decode worker may stay silent where it owes the next event (a "
-                           "reservation, the next tokens once its KV is in) before it is taken for frozen: the "
-                           "request goes to another worker, a stream migrates; 0 turns it off (default: %(default)s)")
-        group.add_argument("--keepalive", type=float, default=Keepalive.time_s, dest="keepalive_s",
-                           help="seconds between HTTP/2 pings on each worker channel (default: %(default)s)")
-        group.add_argument("--keepalive-timeout", type=float, default=Keepalive.timeout_s,
-                           dest="keepalive_timeout_s",
-                           help="seconds a worker has to answer a ping before its connection is closed and its "
-                           "calls fail over (default: %(default)s)")
-        group.add_argument("--poll-interval", type=float, default=GatewayConfig.poll_interval_s, dest="poll_interval_s",
-                           help="seconds between reads of each worker's health and load, which pick the least "
-                           "loaded worker and route around draining ones (default: %(default)s)")
-        group.add_argument("--http-port", type=int, default=GatewayConfig.http_port,
-                           help="port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-                           "/v1/models); 0 picks a free one, -1 turns it off (default: 0)")
-        group.add_argument("--api-key-file", default=GatewayConfig.api_key_file,
-                           help="file of API keys, one per line, that clients must send as `authorization: Bearer "
-                           "KEY` (gRPC metadata or HTTP header); PDSERVE_API_KEYS (comma-separated) adds more. "
-                           "Default: no key needed")
-        group.add_argument("--prefix-balance-tokens", type=int, default=GatewayConfig.prefix_balance_tokens,
-                           help="send a prompt to the prefill worker most likely to hold its prefix while that "
-                           "worker's queue is within this many tokens of the least loaded one's; -1 routes by load "
-                           "alone (default: %(default)s)")
-        group.add_argument("--http-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
-                           dest="http_body_timeout_s",
-                           help="seconds an HTTP request's body may take to arrive before 408 (default: %(default)s)")
-        group.add_argument("--http-deadline", type=float, default=DEFAULT_HTTP_DEADLINE_S, dest="http_deadline_s",
-                           help="seconds an HTTP request may run in all, as a gRPC client's deadline does; past it the "
-                           "request ends with 504 (or an error event, when streaming) and frees every worker "
-                           "(default: %(default)s)")
-        group.add_argument("--max-http-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
-                           help="open HTTP connections at once; a new one past it is answered 503 and closed "
-                           "(default: %(default)s)")
-        group.add_argument("--served-model-name", default=GatewayConfig.served_model_name,
-                           help="the model's name in the HTTP API (default: the model directory's name)")
-        group.add_argument("--startup-timeout", type=float, default=GatewayConfig.startup_timeout_s,
-                           dest="startup_timeout_s",
-                           help="seconds to wait for every worker to answer (default: %(default)s)")
+        for config in (GatewayConfig, AdmissionConfig, RetryPolicy, Keepalive):
+            add_settings(group, config)
 
 
 _CANCEL_CALL = "request was cancelled by a Cancel call"  # the message a Cancel call cancels a handler's task with

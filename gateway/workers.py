@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos import decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
 from protos.types import block_names
 from serving.server import MESSAGE_LIMITS
+from serving.settings import check_settings, setting
 from serving.tls import TLS, aio_channel
 
 log = logging.getLogger(__name__)
@@ -33,12 +34,13 @@ class Keepalive:
     UNAVAILABLE instead of waiting forever. Pings go out with or without calls and however long no data moved
     (a first token can wait long in a prefill queue). The workers must accept pings this often."""
 
-    time_s: float = 20.0  # as the workers ping their own idle peers (serving/server.py)
-    timeout_s: float = 10.0
+    time_s: float = setting(20.0, "seconds between HTTP/2 pings on each worker channel", flag="--keepalive",
+                            above=0)  # as the workers ping their own idle peers (serving/server.py)
+    timeout_s: float = setting(10.0, "seconds a worker has to answer a ping before its connection is closed and its "
+                               "calls fail over", flag="--keepalive-timeout", above=0)
 
     def __post_init__(self) -> None:
-        if self.time_s <= 0 or self.timeout_s <= 0:
-            raise ValueError(f"--keepalive {self.time_s} and --keepalive-timeout {self.timeout_s}: must be > 0")
+        check_settings(self)
 
     def options(self) -> list[tuple[str, int]]:
         timeout_ms = int(self.timeout_s * 1000)

@@ -58,6 +58,7 @@ from serving.server import (
     add_server_args,
     server_config,
 )
+from serving.settings import add_settings, check_settings, read_settings, setting
 from serving.tls import aio_channel, require_peer
 
 log = logging.getLogger(__name__)
@@ -67,67 +68,42 @@ log = logging.getLogger(__name__)
 class PrefillConfig:
     server: ServerConfig
     model: ModelConfig
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    wire_dtype: str = ""  # "" = the model's own; or a lossy downcast of float32 KV
-    kv_shm: bool = True  # write KV into a segment decode lent, when it is on this host
-    layer_streaming: bool = True  # send each layer's KV as soon as it exists (off: all of it after the pass)
-    prefill_chunk: int = 256  # longer prompts run in passes of this many tokens, taking turns with short ones
-    batch_tokens: int = 256  # short prompts share one pass while the padded batch stays within this
-    max_queued_tokens: int = 65536  # prompt tokens waiting or running; beyond it a prompt is refused
-    prefix_cache_mb: float = 512  # KV of prompt prefixes kept for reuse; 0 = no prefix cache
-    prefix_block_tokens: int = 16  # prefixes are cached and matched in blocks of this many tokens
+    chunk_bytes: int = setting(DEFAULT_CHUNK_BYTES, "KV bytes per transfer message", above=0,
+                               high=MAX_MESSAGE_BYTES // 2)
+    wire_dtype: str = setting("", "send float32 KV as bfloat16 or float16: half the bytes, lossy",
+                              choices=("", *LOSSY_WIRE_DTYPES), default_text="the model's dtype, exact")
+    kv_shm: bool = setting(True, "never use a decode worker's shared-memory segment: send every KV byte over gRPC",
+                           flag="--no-kv-shm")  # on: write KV into a segment decode lent, when it is on this host
+    layer_streaming: bool = setting(
+        True, "send the KV after the whole forward pass instead of layer by layer (a baseline)",
+        flag="--no-layer-streaming")
+    prefill_chunk: int = setting(
+        256, "prompts longer than this run in passes of this many tokens, taking turns with short prompts", low=1)
+    batch_tokens: int = setting(
+        256, "short prompts share one forward pass while the padded batch holds at most this many tokens",
+        flag="--prefill-batch-tokens", low=1)
+    max_queued_tokens: int = setting(
+        65536, "prompt tokens waiting or running; a prompt beyond it is refused with RESOURCE_EXHAUSTED", low=1)
+    prefix_cache_mb: float = setting(
+        512.0, "KV of prompt prefixes kept for reuse, so a prompt that starts like an earlier one only computes the "
+        "rest; least recently used evicted first; 0 turns it off", low=0)
+    prefix_block_tokens: int = setting(16, "prefixes are cached and matched in blocks of this many tokens", low=1)
 
     def __post_init__(self) -> None:
-        if self.wire_dtype and (self.wire_dtype not in LOSSY_WIRE_DTYPES or self.model.dtype != "float32"):
+        check_settings(self)
+        if self.wire_dtype and self.model.dtype != "float32":
             raise ValueError(f"--wire-dtype {self.wire_dtype!r}: only {' or '.join(LOSSY_WIRE_DTYPES)}, "
                              "and only for a float32 model")
-        if not 0 < self.chunk_bytes <= MAX_MESSAGE_BYTES // 2:
-            raise ValueError(f"--chunk-bytes {self.chunk_bytes}: must be in (0, {MAX_MESSAGE_BYTES // 2}]")
-        if self.prefix_cache_mb < 0:
-            raise ValueError(f"--prefix-cache-mb {self.prefix_cache_mb}: must be >= 0")
-        for flag, value in (("--prefill-chunk", self.prefill_chunk), ("--prefill-batch-tokens", self.batch_tokens),
-                            ("--max-queued-tokens", self.max_queued_tokens),
-                            ("--prefix-block-tokens", self.prefix_block_tokens)):
-            if value < 1:
-                raise ValueError(f"{flag} {value}: must be >= 1")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PrefillConfig:
-        return cls(server=server_config(args), model=model_config(args), chunk_bytes=args.chunk_bytes,
-                   wire_dtype=args.wire_dtype, kv_shm=args.kv_shm, layer_streaming=args.layer_streaming,
-                   prefill_chunk=args.prefill_chunk, batch_tokens=args.batch_tokens,
-                   max_queued_tokens=args.max_queued_tokens, prefix_cache_mb=args.prefix_cache_mb,
-                   prefix_block_tokens=args.prefix_block_tokens)
+        return read_settings(cls, args, server=server_config(args), model=model_config(args))
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
         add_server_args(parser)
         add_model_args(parser)
-        group = parser.add_argument_group("prefill")
-        group.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
-                           help="KV bytes per transfer message (default: %(default)s)")
-        group.add_argument("--wire-dtype", default=PrefillConfig.wire_dtype, choices=["", *LOSSY_WIRE_DTYPES],
-                           help="send float32 KV as bfloat16 or float16: half the bytes, lossy (default: the "
-                           "model's dtype, exact)")
-        group.add_argument("--no-kv-shm", action="store_false", dest="kv_shm",
-                           help="never use a decode worker's shared-memory segment: send every KV byte over gRPC")
-        group.add_argument("--no-layer-streaming", action="store_false", dest="layer_streaming",
-                           help="send the KV after the whole forward pass instead of layer by layer (a baseline)")
-        group.add_argument("--prefill-chunk", type=int, default=PrefillConfig.prefill_chunk,
-                           help="prompts longer than this run in passes of this many tokens, taking turns with "
-                           "short prompts (default: %(default)s)")
-        group.add_argument("--prefill-batch-tokens", type=int, dest="batch_tokens", default=PrefillConfig.batch_tokens,
-                           help="short prompts share one forward pass while the padded batch holds at most this "
-                           "many tokens (default: %(default)s)")
-        group.add_argument("--prefix-cache-mb", type=float, default=PrefillConfig.prefix_cache_mb,
-                           help="KV of prompt prefixes kept for reuse, so a prompt that starts like an earlier one "
-                           "only computes the rest; least recently used evicted first; 0 turns it off "
-                           "(default: %(default)s)")
-        group.add_argument("--prefix-block-tokens", type=int, default=PrefillConfig.prefix_block_tokens,
-                           help="prefixes are cached and matched in blocks of this many tokens (default: %(default)s)")
-        group.add_argument("--max-queued-tokens", type=int, default=PrefillConfig.max_queued_tokens,
-                           help="prompt tokens waiting or running; a prompt beyond it is refused with "
-                           "RESOURCE_EXHAUSTED (default: %(default)s)")
+        add_settings(parser.add_argument_group("prefill"), PrefillConfig)
 
 
 class _KVPush:

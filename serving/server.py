@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from serving import logs, memory, tls, tracing
 from serving.metrics import Metrics
+from serving.settings import add_settings, check_settings, read_settings, setting
 from serving.tls import TLS
 
 MAX_MESSAGE_BYTES = 8 << 20  # KV chunks are 768 KiB by default, 4 MiB at most; anything near this limit is malformed
@@ -51,50 +52,33 @@ def _loopback(host: str) -> bool:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 0  # 0 = a free port, reported on stdout once serving
-    grace_s: float = 5.0
-    metrics_port: int = 0  # Prometheus /metrics over HTTP; 0 = a free port, reported with the address; -1 = off
-    tls: TLS | None = None  # mutual TLS for this server and the calls it makes
-    max_concurrent_rpcs: int = 1024  # calls beyond this are refused with RESOURCE_EXHAUSTED
-    stall_s: float = 30.0  # an engine pass running longer than this turns health NOT_SERVING (workers only)
-    otlp_endpoint: str = ""  # spans to this OTLP gRPC endpoint ("" = the OTEL_* environment's, if any)
-    trace_dir: str = ""  # spans appended here as OTLP JSON lines ("" = $PDSERVE_TRACE_DIR, if set)
+    host: str = setting("127.0.0.1", "address to listen on", default_text="loopback")
+    port: int = setting(0, "port; 0 picks a free one, reported on stdout once serving", low=0, high=65535)
+    grace_s: float = setting(5.0, "seconds in-flight calls get to finish on SIGTERM", flag="--grace", low=0)
+    metrics_port: int = setting(0, "HTTP port of Prometheus /metrics; 0 picks a free one, reported with the "
+                                "address; -1 turns it off", low=-1, high=65535)
+    tls: TLS | None = None  # mutual TLS for this server and the calls it makes (serving/tls.py's flags)
+    max_concurrent_rpcs: int = setting(1024, "calls served at once; more are refused with RESOURCE_EXHAUSTED", low=1)
+    stall_s: float = setting(30.0, "a worker whose engine has run one pass or step for longer than this reports "
+                             "NOT_SERVING until it moves again", above=0)
+    otlp_endpoint: str = setting(
+        "", "send spans to this OTLP gRPC endpoint, e.g. http://jaeger:4317",
+        default_text="$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT; none: no tracing")
+    trace_dir: str = setting("", "append spans to DIR/<service>-<pid>.jsonl for `pdserve trace`",
+                             default_text=f"${tracing.TRACE_DIR_ENV}", metavar="DIR")
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"--port {self.port}: expected 0..65535")
-        if not -1 <= self.metrics_port < 65536:
-            raise ValueError(f"--metrics-port {self.metrics_port}: expected -1 (off) or 0..65535")
-        if self.grace_s < 0:
-            raise ValueError(f"--grace {self.grace_s}: must be >= 0")
-        if self.max_concurrent_rpcs < 1:
-            raise ValueError(f"--max-concurrent-rpcs {self.max_concurrent_rpcs}: must be >= 1")
-        if not self.stall_s > 0:
-            raise ValueError(f"--stall-s {self.stall_s}: must be > 0")
+        check_settings(self)
 
 
-def add_server_args(parser: argparse.ArgumentParser, default_port: int = 0) -> None:
+def add_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
-    group.add_argument("--host", default=ServerConfig.host, help="address to listen on (default: loopback)")
-    group.add_argument("--port", type=int, default=default_port, help="port; 0 picks a free one (default: %(default)s)")
-    group.add_argument("--grace", type=float, default=ServerConfig.grace_s, dest="grace_s",
-                       help="seconds in-flight calls get to finish on SIGTERM (default: %(default)s)")
-    group.add_argument("--metrics-port", type=int, default=ServerConfig.metrics_port,
-                       help="HTTP port of Prometheus /metrics; 0 picks a free one, -1 turns it off (default: 0)")
-    group.add_argument("--max-concurrent-rpcs", type=int, default=ServerConfig.max_concurrent_rpcs,
-                       help="calls served at once; more are refused with RESOURCE_EXHAUSTED (default: %(default)s)")
-    group.add_argument("--stall-s", type=float, default=ServerConfig.stall_s,
-                       help="a worker whose engine has run one pass or step for longer than this reports "
-                       "NOT_SERVING until it moves again (default: %(default)s)")
+    add_settings(group, ServerConfig)
     tls.add_args(group)
-    tracing.add_args(group)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(host=args.host, port=args.port, grace_s=args.grace_s, metrics_port=args.metrics_port,
-                        tls=tls.from_args(args), max_concurrent_rpcs=args.max_concurrent_rpcs, stall_s=args.stall_s,
-                        otlp_endpoint=args.otlp_endpoint, trace_dir=args.trace_dir)
+    return read_settings(ServerConfig, args, tls=tls.from_args(args))
 
 
 async def serve(

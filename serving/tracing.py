@@ -36,16 +36,6 @@ _propagator = TraceContextTextMapPropagator()
 _provider: object | None = None
 
 
-def add_args(group: Any) -> None:
-    """A service's tracing flags, each defaulting to its environment variable."""
-    group.add_argument("--otlp-endpoint", default="",
-                       help="send spans to this OTLP gRPC endpoint, e.g. http://jaeger:4317 (default: "
-                       "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT; none: no tracing)")
-    group.add_argument("--trace-dir", default="",
-                       help=f"append spans to DIR/<service>-<pid>.jsonl for `pdserve trace` "
-                       f"(default: ${TRACE_DIR_ENV})")
-
-
 def setup(service: str, endpoint: str = "", directory: str = "") -> None:
     """Install the exporters for `service`: the flags' endpoint and directory, else the environment's (see the
     module's doc)."""

@@ -258,6 +258,10 @@ def test_a_freed_place_goes_to_the_client_running_fewest() -> None:
 
 
 def test_a_client_at_its_running_cap_waits_while_others_take_free_places() -> None:
+    """Client a runs its one (its cap) and queues one: b takes a free place at once. a's queued request waits past
+    the queue timeout while places are free (it waits on a's own request, as a request queues behind others on
+    a server without tenants); once the places fill it is refused at its next queue timeout."""
+
     async def scenario() -> None:
         admission = Admission(AdmissionConfig(max_in_flight=4, max_queue=8, queue_timeout_s=0.3,
                                               max_in_flight_per_client=1, max_queue_per_client=1))
@@ -277,10 +281,13 @@ def test_a_client_at_its_running_cap_waits_while_others_take_free_places() -> No
         other = asyncio.ensure_future(request("b"))  # b is under its cap: takes a free place at once
         await asyncio.sleep(0.01)
         assert (admission.running, admission.queued) == (2, 1)
+        await asyncio.sleep(0.5)  # past the queue timeout: a's second waits on a's own first while places are free
+        assert not second.done() and admission.queued == 1
+        others = [asyncio.ensure_future(request(c)) for c in ("c", "d")]  # the places fill
         with pytest.raises(Overloaded, match="--max-in-flight-per-client"):
-            await second  # its queue timeout passed while a still ran its one
+            await second  # now it waits on everyone: refused at its queue timeout
         hold.set()
-        await asyncio.gather(first, other)
+        await asyncio.gather(first, other, *others)
         assert (admission.running, admission.queued) == (0, 0)
 
     asyncio.run(scenario())
