@@ -60,6 +60,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     _add_cluster(commands)
     _add_client_commands(commands)
     _add_trace_and_health(commands)
+    _add_config(commands)
     _add_bench(commands, argv)
     return parser
 
@@ -91,6 +92,9 @@ def _add_cluster(commands: argparse._SubParsersAction) -> None:
                          help="extra flag for every decode worker, e.g. --decode-arg=--max-seqs=16")
     cluster.add_argument("--gateway-arg", action="append", default=[], metavar="FLAG",
                          help="extra flag for the gateway, e.g. --gateway-arg=--max-in-flight=32")
+    cluster.add_argument("--config", default="", metavar="FILE",
+                         help="a TOML config file every service reads its table of ([gateway], [prefill], "
+                         "[decode]; `pdserve config show` prints what each would run with)")
     cluster.add_argument("--trace-dir", default="", metavar="DIR",
                          help="every process appends its spans to DIR (OTLP JSON lines); read them with "
                          "`pdserve trace REQUEST_ID --dir DIR`")
@@ -131,6 +135,47 @@ def _add_client_commands(commands: argparse._SubParsersAction) -> None:
                                "line, Ctrl-D or Ctrl-C ends it.")
     chat.add_argument("--system", default="", help="a system message that opens the conversation")
     chat.set_defaults(run=_chat)
+
+
+CONFIG_CLASSES = {"gateway": ("gateway.server", "GatewayConfig"),
+                  "prefill": ("prefill_service.server", "PrefillConfig"),
+                  "decode": ("decode_service.server", "DecodeConfig")}
+
+
+def _add_config(commands: argparse._SubParsersAction) -> None:
+    config = commands.add_parser("config", help="what a service would run with, and where each value came from")
+    actions = config.add_subparsers(dest="action", required=True, metavar="ACTION")
+    show = actions.add_parser(
+        "show", help="print every setting ROLE would start with",
+        description="Print every setting ROLE would start with, given FLAGS (its own flags, --config FILE among "
+        "them) and the PDSERVE_<FLAG> environment variables, and where each value came from: default, file, env or "
+        "flag. Exits 2, naming the setting, where the service would refuse to start.")
+    show.add_argument("--json", action="store_true", help="one JSON object: setting -> {value, source}")
+    show.add_argument("role", choices=sorted(CONFIG_CLASSES))
+    show.add_argument("flags", nargs=argparse.REMAINDER, metavar="FLAGS", help="the service's own flags")
+    show.set_defaults(run=_config_show)
+
+
+def _config_show(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from serving.settings import resolve
+
+    module, name = CONFIG_CLASSES[args.role]
+    config_class = getattr(importlib.import_module(module), name)
+    service = argparse.ArgumentParser(prog=f"pdserve config show {args.role}")
+    config_class.add_args(service)
+    try:
+        resolved, sources = resolve(service, args.role, args.flags)
+        config_class.from_args(resolved)  # the checks the service would make at start-up
+    except ValueError as exc:
+        service.error(str(exc))
+    values = {dest: getattr(resolved, dest) for dest in sorted(sources)}
+    if args.json:
+        print(json.dumps({dest: {"value": values[dest], "source": sources[dest]} for dest in values}))
+        return 0
+    width = max(map(len, values))
+    for dest, value in values.items():
+        print(f"{dest:<{width}}  {value!s:<24}  {sources[dest]}")
+    return 0
 
 
 def _add_trace_and_health(commands: argparse._SubParsersAction) -> None:
@@ -179,7 +224,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     return ClusterConfig(prefill=args.prefill, decode=args.decode, model=args.model, dtype=args.dtype,
                          device=args.device, host=args.host, gateway_port=args.port, http_port=args.http_port,
                          prefill_ports=_ports(args.prefill_ports), decode_ports=_ports(args.decode_ports),
-                         threads=args.threads, prefill_args=tuple(args.prefill_arg),
+                         threads=args.threads, prefill_args=tuple(args.prefill_arg), config_file=args.config,
                          gateway_args=tuple(args.gateway_arg), decode_args=tuple(args.decode_arg), pin=args.pin,
                          trace_dir=args.trace_dir, tls_dir=args.tls_dir,
                          log_format=args.log_format if args.log_format != "text" else "")

@@ -45,6 +45,7 @@ class ClusterConfig:
     startup_timeout_s: float = 300.0
     pin: bool = True  # give each worker its own cores when there are enough (prefill never steals decode's)
     colocate_below: int | None = None  # the gateway's --colocate-below; None: its default
+    config_file: str = ""  # a TOML config file every service reads its table of (--config)
     trace_dir: str = ""  # every process appends its spans here (OTLP JSON lines) for `pdserve trace`
     log_format: str = ""  # "json": every process logs JSON lines (trace and request ids on request lines)
     tls_dir: str = ""  # mutual TLS between every process, with the certificates deploy/make-certs.sh writes here
@@ -194,13 +195,14 @@ def role_args(config: ClusterConfig, role: str) -> list[str]:
     that `pdserve cluster` runs the services' defaults, the profile compose and Kubernetes run too
     (tests/test_config_defaults.py), except where its config says otherwise. The user's flags come last: the last
     of a flag given twice wins."""
+    file = [f"--config={os.path.abspath(config.config_file)}"] if config.config_file else []
     if role == "gateway":
         colocate = [] if config.colocate_below is None else [f"--colocate-below={config.colocate_below}"]
-        return [*colocate, *config.gateway_args]
+        return [*file, *colocate, *config.gateway_args]
     if role == "decode":
         whole = [] if config.prefill else [f"--prefill-chunk={ALL_COLOCATED_CHUNK}"]
-        return [*whole, *config.decode_args]
-    return list(config.prefill_args)
+        return [*file, *whole, *config.decode_args]
+    return [*file, *config.prefill_args]
 
 
 def start(config: ClusterConfig) -> Cluster:

@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from serving import logs, memory, tls, tracing
 from serving.metrics import Metrics
-from serving.settings import add_settings, check_settings, read_settings, setting
+from serving.settings import add_settings, check_settings, read_settings, resolve, setting
 from serving.tls import TLS
 
 MAX_MESSAGE_BYTES = 8 << 20  # KV chunks are 768 KiB by default, 4 MiB at most; anything near this limit is malformed
@@ -197,15 +197,21 @@ def run(main: Awaitable[None]) -> None:
     uvloop.run(main)  # type: ignore[arg-type]
 
 
-def parse_config(prog: str, description: str | None, config_class: Any, argv: list[str] | None) -> Any:
-    """A service's validated config from its flags; a bad flag exits with status 2 and a message naming it."""
+def parse_config(prog: str, description: str | None, config_class: Any, argv: list[str] | None,
+                 sources: dict[str, str] | None = None) -> Any:
+    """A service's validated config from a config file, the environment and its flags (serving/settings.py's
+    `resolve`); anything bad exits with status 2 and a message naming it. `sources`, if given, is filled with where
+    each setting's value came from."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     config_class.add_args(parser)
-    args = parser.parse_args(argv)
     try:
-        return config_class.from_args(args)
+        args, found = resolve(parser, prog.removesuffix("_service"), argv)
+        config = config_class.from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+    if sources is not None:
+        sources.update(found)
+    return config
 
 
 def main(prog: str, description: str | None, config_class: Any, serve_config: Callable[[Any], Awaitable[None]],

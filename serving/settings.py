@@ -13,6 +13,11 @@ argparse group, the bounds check and the reading back of parsed flags are genera
 
 A flag is `--` and the field's name with dashes unless `flag=` names it; its argparse dest is the field's name.
 A bool that is on by default gets a `flag=` that turns it off (`--no-kv-shm`).
+
+Where a value comes from, last wins: the field's default; the service's table of a config file (`--config
+pdserve.toml`: `[gateway]`, `[prefill]`, `[decode]`, keys named as the flags are, with or without the dashes'
+underscores); an environment variable named after the flag (`--max-seqs` -> `PDSERVE_MAX_SEQS`); the flag itself.
+`resolve` parses with all four and says which one each value came from (`pdserve config show`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -86,3 +93,96 @@ def check_settings(config: Any) -> None:
         if (math.isnan(value) or (spec.low is not None and value < spec.low)
                 or (spec.above is not None and value <= spec.above) or (spec.high is not None and value > spec.high)):
             raise ValueError(f"{flag_of(field, spec)} {value:g}: must be {' and '.join(b for b in bounds if b)}")
+
+
+ENV_PREFIX = "PDSERVE_"
+
+
+def env_name(flag: str) -> str:
+    """The environment variable that sets a flag's default: `--max-seqs` -> PDSERVE_MAX_SEQS."""
+    return ENV_PREFIX + flag.lstrip("-").upper().replace("-", "_")
+
+
+def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """Every option of `parser` that takes a setting, by its flag without dashes (`max-seqs`, `no-kv-shm`)."""
+    return {flag.lstrip("-"): action for action in parser._actions if action.dest not in ("help", "config")
+            for flag in action.option_strings if flag.startswith("--")}
+
+
+def _file_defaults(path: str, section: str, options: dict[str, argparse.Action]) -> dict[str, Any]:
+    """The `section` table of a TOML config file as argparse defaults (dest -> value)."""
+    try:
+        with open(path, "rb") as file:
+            document = tomllib.load(file)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ValueError(f"--config {path}: {exc}") from None
+    unknown_tables = set(document) - {"gateway", "prefill", "decode"}
+    if unknown_tables:
+        raise ValueError(f"--config {path}: unknown tables {sorted(unknown_tables)}; expected [gateway], [prefill], "
+                         "[decode]")
+    table = document.get(section, {})
+    defaults: dict[str, Any] = {}
+    for key, value in table.items():
+        action = options.get(key.replace("_", "-"))
+        if action is None:
+            raise ValueError(f"--config {path}: [{section}] {key}: no such setting (see {section} --help)")
+        if isinstance(action, argparse._StoreFalseAction):
+            if not isinstance(value, bool):
+                raise ValueError(f"--config {path}: [{section}] {key}: expected true or false")
+            defaults[action.dest] = not value  # `no-kv-shm = true` turns kv_shm off
+        elif isinstance(action, argparse._AppendAction):
+            defaults[action.dest] = [str(v) for v in value] if isinstance(value, list) else [str(value)]
+        else:
+            if isinstance(value, dict | list) or (isinstance(value, bool) and action.type is not bool):
+                raise ValueError(f"--config {path}: [{section}] {key} = {value!r}: expected a single value")
+            defaults[action.dest] = str(value)  # argparse converts and checks it as it would the flag's text
+    return defaults
+
+
+def _env_defaults(options: dict[str, argparse.Action]) -> dict[str, Any]:
+    defaults: dict[str, Any] = {}
+    for flag, action in options.items():
+        value = os.environ.get(env_name(flag))
+        if value is None:
+            continue
+        if isinstance(action, argparse._StoreFalseAction):
+            if value.lower() not in ("1", "true", "yes", "0", "false", "no", ""):
+                raise ValueError(f"{env_name(flag)}={value!r}: expected true or false")
+            defaults[action.dest] = value.lower() not in ("1", "true", "yes")
+        elif isinstance(action, argparse._AppendAction):
+            defaults[action.dest] = [v for v in value.split(",") if v]
+        else:
+            defaults[action.dest] = value
+    return defaults
+
+
+def resolve(parser: argparse.ArgumentParser, section: str, argv: list[str] | None
+            ) -> tuple[argparse.Namespace, dict[str, str]]:
+    """Parse `argv` over the defaults of a config file's `section`, then the environment; return the namespace
+    and where each value came from ("default", "file", "env" or "flag"), by dest. ValueError names what is
+    wrong (argparse itself exits on a malformed flag)."""
+    parser.add_argument("--config", default=os.environ.get(ENV_PREFIX + "CONFIG", ""), metavar="FILE",
+                        help=f"a TOML file whose [{section}] table sets defaults, keyed by flag name; the "
+                        f"environment (PDSERVE_<FLAG>) and flags override it (default: ${ENV_PREFIX}CONFIG)")
+    config, _ = parser.parse_known_args(argv)  # only --config matters here; the full parse below checks the rest
+    options = _options(parser)
+    sources = {action.dest: "default" for action in options.values()}
+    layers = [("file", _file_defaults(config.config, section, options) if config.config else {}),
+              ("env", _env_defaults(options))]
+    for source, defaults in layers:
+        parser.set_defaults(**defaults)
+        sources.update(dict.fromkeys(defaults, source))
+    given = argparse.ArgumentParser(add_help=False)  # which dests the command line itself sets
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            kwargs: dict[str, Any] = {"dest": action.dest, "default": argparse.SUPPRESS}
+            if action.nargs == 0 or isinstance(action, argparse._StoreConstAction):
+                kwargs["action"] = "store_const"
+                kwargs["const"] = action.const if action.const is not None else True
+            elif isinstance(action, argparse._AppendAction):
+                kwargs["action"] = "append"
+            given.add_argument(*action.option_strings, **kwargs)
+    explicit, _ = given.parse_known_args(argv)
+    sources.update(dict.fromkeys(vars(explicit), "flag"))
+    sources.pop("config", None)
+    return parser.parse_args(argv), sources

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +20,7 @@ from model_runner.loading import ModelConfig, add_model_args, model_config
 from pdserve import cli
 from pdserve.cluster import ClusterConfig, role_args
 from prefill_service.server import PrefillConfig
-from serving.server import ServerConfig, add_server_args, server_config
+from serving.server import ServerConfig, add_server_args, parse_config, server_config
 
 DECODE = "127.0.0.1:1"  # the gateway's one required flag
 
@@ -105,3 +109,61 @@ def test_compose_kubernetes_and_pdserve_cluster_run_one_profile(role: str) -> No
     assert _profile(role, _kubernetes_args(role)) == cluster, "the Kubernetes base tunes differently"
     assert cluster == _profile(role, ["--decode", DECODE] if role == "gateway" else []), \
         "pdserve cluster passes a tuning flag: make it the service's default instead"
+
+
+def test_a_config_file_then_the_environment_then_flags_set_a_service_s_settings(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Last wins: the field's default, the file's [decode] table (keys as flags, dashes or underscores), the
+    PDSERVE_<FLAG> variable, the flag; and each value says where it came from."""
+    path = tmp_path / "pdserve.toml"
+    path.write_text('[decode]\nmax-seqs = 16\nprefill_pass_ms = 20\nno-kv-shm = true\nlease = 12.5\n'
+                    '[gateway]\nmax-in-flight = 8\n')
+    monkeypatch.setenv("PDSERVE_PREFILL_PASS_MS", "25")
+    monkeypatch.setenv("PDSERVE_LEASE", "40")
+    sources: dict[str, str] = {}
+    config = parse_config("decode_service", None, DecodeConfig, ["--config", str(path), "--lease", "50"], sources)
+    assert (config.max_seqs, config.prefill_pass_ms, config.kv_shm, config.lease_s) == (16, 25.0, False, 50.0)
+    assert config.prefill_chunk == DecodeConfig(server=ServerConfig(), model=ModelConfig()).prefill_chunk
+    assert sources["max_seqs"] == "file" and sources["kv_shm"] == "file" and sources["prefill_pass_ms"] == "env"
+    assert sources["lease_s"] == "flag" and sources["prefill_chunk"] == "default"
+    gateway = parse_config("gateway", None, GatewayConfig, ["--config", str(path), "--decode", DECODE])
+    assert gateway.admission.max_in_flight == 8  # its own table; the [decode] one is not its
+
+
+@pytest.mark.parametrize("text, named", [
+    ("[decode]\nmax-seqz = 16\n", "max-seqz: no such setting"),
+    ("[decode]\nmax-seqs = 0\n", "--max-seqs 0: must be >= 1"),
+    ("[decode]\nno-kv-shm = 3\n", "no-kv-shm: expected true or false"),
+    ("[decoder]\nmax-seqs = 16\n", "unknown tables ['decoder']"),
+    ("[decode\n", "--config"),
+])
+def test_a_bad_config_file_stops_the_service_naming_what_is_wrong(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, named: str) -> None:
+    path = tmp_path / "pdserve.toml"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as exited:
+        parse_config("decode_service", None, DecodeConfig, ["--config", str(path)])
+    assert exited.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_pdserve_config_show_prints_each_setting_and_where_it_came_from(tmp_path: Path) -> None:
+    path = tmp_path / "pdserve.toml"
+    path.write_text("[prefill]\nprefix-cache-mb = 64\n")
+    shown = subprocess.run([sys.executable, "-m", "pdserve.cli", "config", "show", "--json", "prefill",
+                            "--config", str(path), "--max-queued-tokens", "1024"], capture_output=True, text=True,
+                           timeout=120, env={**os.environ, "PDSERVE_PREFILL_CHUNK": "128"})
+    assert shown.returncode == 0, shown.stderr
+    settings = json.loads(shown.stdout)
+    assert settings["prefix_cache_mb"] == {"value": 64.0, "source": "file"}
+    assert settings["prefill_chunk"] == {"value": 128, "source": "env"}
+    assert settings["max_queued_tokens"] == {"value": 1024, "source": "flag"}
+    assert settings["batch_tokens"]["source"] == "default"
+    refused = subprocess.run([sys.executable, "-m", "pdserve.cli", "config", "show", "prefill", "--prefill-chunk",
+                              "0"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--prefill-chunk 0: must be >= 1" in refused.stderr
+
+
+def test_pdserve_cluster_passes_its_config_file_to_every_service(tmp_path: Path) -> None:
+    config = ClusterConfig(config_file=str(tmp_path / "pdserve.toml"))
+    for role in ("gateway", "prefill", "decode"):
+        assert f"--config={tmp_path / 'pdserve.toml'}" in role_args(config, role)
