@@ -136,7 +136,8 @@ def _wait_until_serving(cluster: Cluster, deadline_s: float) -> None:
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     ports = {name: free_port() for name in ("GRPC", "HTTP", "METRICS")}
-    ENV.update({f"PDSERVE_{name}_PORT": str(port) for name, port in ports.items()}, PDSERVE_PUBLISH_IP="127.0.0.1")
+    ENV.update({f"PDSERVE_PUBLISH_{name}_PORT": str(port) for name, port in ports.items()},
+               PDSERVE_PUBLISH_IP="127.0.0.1")
     assert not containers(running_only=False), "a pdserve compose project is already up: podman-compose down first"
     cluster = Cluster(f"127.0.0.1:{ports['GRPC']}", f"http://127.0.0.1:{ports['HTTP']}",
                       f"http://127.0.0.1:{ports['METRICS']}/metrics", segments())
