@@ -165,8 +165,8 @@ class Admission:
                     # Held back only by its own client's running requests while the gateway has places free: it
                     # waits on its own client, not on anyone else, so it waits on as its deadline allows.
                     left = None if deadline is None else deadline - loop.time()
-                    if self._under_cap(client) or self.running >= config.max_in_flight or (left is not None
-                                                                                           and left <= 0):
+                    if (not config.queue_timeout_s or self._under_cap(client)
+                            or self.running >= config.max_in_flight or (left is not None and left <= 0)):
                         raise
                     timeout = config.queue_timeout_s if left is None else min(config.queue_timeout_s, left)
         except TimeoutError:

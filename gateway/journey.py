@@ -66,7 +66,7 @@ class RetryPolicy:
     idle_timeout_s: float | None = setting(
         5.0, "seconds a decode worker may stay silent where it owes the next event (a reservation, the next tokens "
         "once its KV is in) before it is taken for frozen: the request goes to another worker, a stream migrates; "
-        "0 turns it off", flag="--idle-timeout", low=0)
+        "0 turns it off", flag="--idle-timeout", above=0)  # None: off
 
     def __post_init__(self) -> None:
         check_settings(self)

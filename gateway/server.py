@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import math
 import os
@@ -30,7 +29,7 @@ import time
 from collections.abc import AsyncGenerator, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 from opentelemetry import trace
@@ -74,6 +73,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class GatewayConfig:
+    SECTION: ClassVar[str] = "gateway"  # its table in a config file
     server: ServerConfig
     prefill: list[str] = field(default_factory=list)
     decode: list[str] = field(default_factory=list)
@@ -142,10 +142,11 @@ class GatewayConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> GatewayConfig:
+        args = argparse.Namespace(**{**vars(args), "idle_timeout_s": args.idle_timeout_s or None})  # 0: off
         retry = read_settings(RetryPolicy, args, capacity_wait_s=args.queue_timeout_s)
         return read_settings(
             cls, args, server=server_config(args), prefill=_split(args.prefill), decode=_split(args.decode),
-            retry=dataclasses.replace(retry, idle_timeout_s=retry.idle_timeout_s or None),
+            retry=retry,
             admission=read_settings(AdmissionConfig, args), keepalive=read_settings(Keepalive, args))
 
     @staticmethod

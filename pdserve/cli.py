@@ -164,7 +164,7 @@ def _config_show(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     service = argparse.ArgumentParser(prog=f"pdserve config show {args.role}")
     config_class.add_args(service)
     try:
-        resolved, sources = resolve(service, args.role, args.flags)
+        resolved, sources = resolve(service, config_class.SECTION, args.flags)
         config_class.from_args(resolved)  # the checks the service would make at start-up
     except ValueError as exc:
         service.error(str(exc))

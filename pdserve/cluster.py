@@ -208,8 +208,9 @@ def role_args(config: ClusterConfig, role: str) -> list[str]:
 def start(config: ClusterConfig) -> Cluster:
     model_dir = str(resolve_model(config.model))  # convert the default model once, before workers race for it
     deadline = time.monotonic() + config.startup_timeout_s
+    # --metrics-port 0 (a free port each), whatever PDSERVE_METRICS_PORT says: the services share this host
     worker_flags = ["--host", config.host, "--model", model_dir, "--dtype", config.dtype, "--device", config.device,
-                    "--threads", str(config.threads_per_worker)]
+                    "--threads", str(config.threads_per_worker), "--metrics-port", "0"]
     client_tls = TLS.of(config.tls_dir, "client") if config.tls_dir else None
 
     def tls_flags(role: str) -> list[str]:
@@ -235,7 +236,7 @@ def start(config: ClusterConfig) -> Cluster:
         prefill = [w for w in workers if w.role == "prefill"]
         decode = [w for w in workers if w.role == "decode"]
         gateway_args = ["--host", config.host, "--port", str(config.gateway_port), "--model", model_dir,
-                        "--http-port", str(config.http_port)]
+                        "--http-port", str(config.http_port), "--metrics-port", "0"]
         gateway_args += [f"--prefill={w.address}" for w in prefill] + [f"--decode={w.address}" for w in decode]
         gateway_args += [*tls_flags("gateway"), *role_args(config, "gateway")]
         gateway = spawn_service("gateway", "gateway", gateway_args, env=env)

@@ -205,7 +205,7 @@ def parse_config(prog: str, description: str | None, config_class: Any, argv: li
     parser = argparse.ArgumentParser(prog=prog, description=description)
     config_class.add_args(parser)
     try:
-        args, found = resolve(parser, prog.removesuffix("_service"), argv)
+        args, found = resolve(parser, config_class.SECTION, argv)
         config = config_class.from_args(args)
     except ValueError as exc:
         parser.error(str(exc))

@@ -133,10 +133,19 @@ def _file_defaults(path: str, section: str, options: dict[str, argparse.Action])
         elif isinstance(action, argparse._AppendAction):
             defaults[action.dest] = [str(v) for v in value] if isinstance(value, list) else [str(value)]
         else:
-            if isinstance(value, dict | list) or (isinstance(value, bool) and action.type is not bool):
+            if isinstance(value, dict | list | bool):
                 raise ValueError(f"--config {path}: [{section}] {key} = {value!r}: expected a single value")
-            defaults[action.dest] = str(value)  # argparse converts and checks it as it would the flag's text
+            defaults[action.dest] = _converted(action, str(value), f"--config {path}: [{section}] {key}")
     return defaults
+
+
+def _converted(action: argparse.Action, text: str, where: str) -> Any:
+    """`text` as the flag's type would read it; ValueError naming `where` it came from when it cannot."""
+    try:
+        return action.type(text) if callable(action.type) else text
+    except ValueError:
+        kind = {"float": "a number", "int": "an integer"}.get(getattr(action.type, "__name__", ""), "another value")
+        raise ValueError(f"{where} = {text!r}: expected {kind}") from None
 
 
 def _env_defaults(options: dict[str, argparse.Action]) -> dict[str, Any]:
@@ -152,7 +161,7 @@ def _env_defaults(options: dict[str, argparse.Action]) -> dict[str, Any]:
         elif isinstance(action, argparse._AppendAction):
             defaults[action.dest] = [v for v in value.split(",") if v]
         else:
-            defaults[action.dest] = value
+            defaults[action.dest] = _converted(action, value, env_name(flag))
     return defaults
 
 
@@ -185,4 +194,7 @@ def resolve(parser: argparse.ArgumentParser, section: str, argv: list[str] | Non
     explicit, _ = given.parse_known_args(argv)
     sources.update(dict.fromkeys(vars(explicit), "flag"))
     sources.pop("config", None)
+    # A repeatable flag on the command line replaces the file's or the environment's list, not adds to it.
+    parser.set_defaults(**{action.dest: [] for action in options.values()
+                           if isinstance(action, argparse._AppendAction) and action.dest in vars(explicit)})
     return parser.parse_args(argv), sources

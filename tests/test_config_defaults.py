@@ -121,13 +121,28 @@ def test_a_config_file_then_the_environment_then_flags_set_a_service_s_settings(
     monkeypatch.setenv("PDSERVE_PREFILL_PASS_MS", "25")
     monkeypatch.setenv("PDSERVE_LEASE", "40")
     sources: dict[str, str] = {}
-    config = parse_config("decode_service", None, DecodeConfig, ["--config", str(path), "--lease", "50"], sources)
+    config = parse_config("python -m decode_service", None, DecodeConfig, ["--config", str(path), "--lease", "50"],
+                          sources)
     assert (config.max_seqs, config.prefill_pass_ms, config.kv_shm, config.lease_s) == (16, 25.0, False, 50.0)
     assert config.prefill_chunk == DecodeConfig(server=ServerConfig(), model=ModelConfig()).prefill_chunk
     assert sources["max_seqs"] == "file" and sources["kv_shm"] == "file" and sources["prefill_pass_ms"] == "env"
     assert sources["lease_s"] == "flag" and sources["prefill_chunk"] == "default"
-    gateway = parse_config("gateway", None, GatewayConfig, ["--config", str(path), "--decode", DECODE])
+    gateway = parse_config("python -m gateway", None, GatewayConfig, ["--config", str(path), "--decode", DECODE])
     assert gateway.admission.max_in_flight == 8  # its own table; the [decode] one is not its
+
+
+def test_a_repeatable_flag_replaces_the_file_s_list_and_a_bad_variable_is_named(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "pdserve.toml"
+    path.write_text('[gateway]\ndecode = ["old:1", "old:2"]\n')
+    from_file = parse_config("python -m gateway", None, GatewayConfig, ["--config", str(path)])
+    assert from_file.decode == ["old:1", "old:2"]
+    flagged = parse_config("python -m gateway", None, GatewayConfig, ["--config", str(path), "--decode=new:3"])
+    assert flagged.decode == ["new:3"]  # not old:1, old:2, new:3
+    monkeypatch.setenv("PDSERVE_MAX_IN_FLIGHT", "many")
+    with pytest.raises(SystemExit) as exited:
+        parse_config("python -m gateway", None, GatewayConfig, ["--decode", DECODE])
+    assert exited.value.code == 2 and "PDSERVE_MAX_IN_FLIGHT = 'many': expected an integer" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text, named", [
@@ -142,7 +157,7 @@ def test_a_bad_config_file_stops_the_service_naming_what_is_wrong(
     path = tmp_path / "pdserve.toml"
     path.write_text(text)
     with pytest.raises(SystemExit) as exited:
-        parse_config("decode_service", None, DecodeConfig, ["--config", str(path)])
+        parse_config("python -m decode_service", None, DecodeConfig, ["--config", str(path)])
     assert exited.value.code == 2 and named in capsys.readouterr().err
 
 

@@ -340,6 +340,29 @@ def test_a_client_refused_faster_than_its_instant_refusals_waits_for_the_next(mo
     asyncio.run(scenario())
 
 
+def test_with_no_queue_timeout_a_capped_request_is_refused_at_once() -> None:
+    """--queue-timeout 0: a request over its client's running cap is refused at once, even with places free."""
+
+    async def scenario() -> None:
+        admission = Admission(AdmissionConfig(max_in_flight=4, max_queue=8, queue_timeout_s=0,
+                                              max_in_flight_per_client=1, max_queue_per_client=4))
+        hold = asyncio.Event()
+
+        async def request() -> None:
+            async with admission.slot(client="a"):
+                await hold.wait()
+
+        first = asyncio.ensure_future(request())
+        await asyncio.sleep(0.01)
+        with pytest.raises(Overloaded, match="--max-in-flight-per-client"):
+            await asyncio.wait_for(request(), 10)
+        hold.set()
+        await first
+        assert (admission.running, admission.queued) == (0, 0)
+
+    asyncio.run(scenario())
+
+
 def test_a_cut_call_still_open_counts_against_its_client_only() -> None:
     """A gRPC call cut as stalled stays open until its client reads or leaves. It holds none of the gateway's
     places, so others start at once; but it holds one of its own client's, so that client cannot pile up more
