@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import threading
 from concurrent import futures
 from typing import Any
 
@@ -26,6 +27,10 @@ def _value(value: AnyValue) -> Any:
     return getattr(value, kind) if kind in ("string_value", "bool_value", "int_value", "double_value") else str(value)
 
 
+_OUT = threading.Lock()  # Export runs on several threads: print() writes a line and its newline apart, so two
+# threads' spans could share one line. Each line is written whole, under the lock.
+
+
 class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
     def Export(self, request: trace_service_pb2.ExportTraceServiceRequest,  # noqa: N802 (the proto's name)
                context: grpc.ServicerContext) -> trace_service_pb2.ExportTraceServiceResponse:
@@ -34,10 +39,13 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
             resource = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
-                    print(json.dumps({"service": resource.get("service.name", ""), "peer": peer, "name": span.name,
-                                      "trace_id": span.trace_id.hex(), "span_id": span.span_id.hex(),
-                                      "parent_id": span.parent_span_id.hex(),
-                                      "attributes": {a.key: _value(a.value) for a in span.attributes}}), flush=True)
+                    line = json.dumps({"service": resource.get("service.name", ""), "peer": peer, "name": span.name,
+                                       "trace_id": span.trace_id.hex(), "span_id": span.span_id.hex(),
+                                       "parent_id": span.parent_span_id.hex(),
+                                       "attributes": {a.key: _value(a.value) for a in span.attributes}})
+                    with _OUT:
+                        sys.stdout.write(line + "\n")
+                        sys.stdout.flush()
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
