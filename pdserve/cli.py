@@ -157,24 +157,20 @@ def _add_config(commands: argparse._SubParsersAction) -> None:
 
 
 def _config_show(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from serving.settings import resolve
+    from serving.server import parse_config
 
     module, name = CONFIG_CLASSES[args.role]
     config_class = getattr(importlib.import_module(module), name)
-    service = argparse.ArgumentParser(prog=f"pdserve config show {args.role}")
-    config_class.add_args(service)
-    try:
-        resolved, sources = resolve(service, config_class.SECTION, args.flags)
-        config_class.from_args(resolved)  # the checks the service would make at start-up
-    except ValueError as exc:
-        service.error(str(exc))
-    values = {dest: getattr(resolved, dest) for dest in sorted(sources)}
+    sources: dict[str, str] = {}
+    values: dict[str, object] = {}
+    # exits 2, naming the setting, where the service would refuse to start
+    parse_config(f"pdserve config show {args.role}", None, config_class, args.flags, sources, values)
     if args.json:
-        print(json.dumps({dest: {"value": values[dest], "source": sources[dest]} for dest in values}))
+        print(json.dumps({dest: {"value": values[dest], "source": sources[dest]} for dest in sorted(values)}))
         return 0
     width = max(map(len, values))
-    for dest, value in values.items():
-        print(f"{dest:<{width}}  {value!s:<24}  {sources[dest]}")
+    for dest in sorted(values):
+        print(f"{dest:<{width}}  {values[dest]!s:<24}  {sources[dest]}")
     return 0
 
 

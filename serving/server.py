@@ -198,10 +198,10 @@ def run(main: Awaitable[None]) -> None:
 
 
 def parse_config(prog: str, description: str | None, config_class: Any, argv: list[str] | None,
-                 sources: dict[str, str] | None = None) -> Any:
+                 sources: dict[str, str] | None = None, values: dict[str, Any] | None = None) -> Any:
     """A service's validated config from a config file, the environment and its flags (serving/settings.py's
-    `resolve`); anything bad exits with status 2 and a message naming it. `sources`, if given, is filled with where
-    each setting's value came from."""
+    `resolve`); anything bad exits with status 2 and a message naming it. `sources` and `values`, if given, are
+    filled with where each setting's value came from and the value, by its flag's dest."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     config_class.add_args(parser)
     try:
@@ -211,6 +211,8 @@ def parse_config(prog: str, description: str | None, config_class: Any, argv: li
         parser.error(str(exc))
     if sources is not None:
         sources.update(found)
+    if values is not None:
+        values.update({dest: getattr(args, dest) for dest in found})
     return config
 
 
