@@ -102,6 +102,13 @@ class DecodeConfig:
         1.25, "colocated prompts: the pause comes sooner, once the pass has run this many decode steps (their "
         "recent mean) if that is less than --prefill-pass-ms, so on a fast machine a stream's slowest token "
         "interval stays near 1 + this many steps; 0: --prefill-pass-ms alone", low=0)
+    prefill_busy_steps: float = setting(
+        0.0, "colocated prompts: while those queued here would take more than --prefill-busy-ms to prefill, a pass "
+        "may run this many decode steps before one (if more than the budget above), so this core takes most of a "
+        "prompt backlog's work while its streams wait about 1 + this many steps per token; 0: off", low=0)
+    prefill_busy_ms: float = setting(
+        1000.0, "colocated prompts: the backlog, in predicted ms of passes, past which --prefill-busy-steps applies",
+        low=0)
     buffer_keep_mb: float = setting(
         1024.0, "idle shared-memory KV segments kept warm for later requests", flag="--kv-buffer-keep-mb", low=0)
     kv_warm_mb: float = setting(
@@ -144,7 +151,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                  batch_tokens=config.prefill_batch_tokens,
                                  kv_warm_bytes=min(int(config.kv_warm_mb * (1 << 20)), budget),
                                  on_step=self._observe_step, prompt_pass_s=config.prefill_pass_ms / 1e3,
-                                 pass_steps=config.prefill_pass_steps, on_interval=self._observe_interval)
+                                 pass_steps=config.prefill_pass_steps, on_interval=self._observe_interval,
+                                 busy_pass_steps=config.prefill_busy_steps,
+                                 busy_backlog_s=config.prefill_busy_ms / 1e3)
         keep = int(config.buffer_keep_mb * (1 << 20))
         pool = SegmentPool(keep_bytes=keep) if config.kv_shm and segments.SHM_DIR.is_dir() else None
         self.lender = SegmentLender(pool, spec.kv_bytes_per_token)

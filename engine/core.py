@@ -37,12 +37,16 @@ class EngineCore:
                  chunk_tokens: int = 256, max_queued_tokens: int | None = None, layer_streaming: bool = True,
                  prefix_cache: PrefixCache | None = None, kv_warm_bytes: int = 0,
                  on_step: Callable[[float, int], None] | None = None, prompt_pass_s: float = 0.0,
-                 pass_steps: float = 0.0, on_interval: Callable[[float], None] | None = None) -> None:
+                 pass_steps: float = 0.0, on_interval: Callable[[float], None] | None = None,
+                 busy_pass_steps: float = 0.0, busy_backlog_s: float = 1.0) -> None:
         """`kv_blocks` > 0 makes a decode core with a paged cache of that many blocks; 0, a prefill core.
         `prompt_pass_s` > 0, on a decode core: while sequences run, a colocated prompt pass that has run that long
         since the last decode step runs one at its next layer boundary (0: passes run whole); `pass_steps` > 0
         makes that budget at most this many decode steps (their recent mean), so a fast machine's streams keep the
-        same ratio of slowest to usual token interval as a slow one's.
+        same ratio of slowest to usual token interval as a slow one's. `busy_pass_steps` > `pass_steps`: while the
+        prompts queued here would take more than `busy_backlog_s` to prefill (a backlog, not one chat's prompt), the
+        budget is that many decode steps instead, so the core gives most of its time to the backlog and each stream
+        waits about 1 + that many steps per token (0: the budget above always).
         `max_queued_tokens`: the prompt queue's token budget (None: unbounded). `kv_warm_bytes`: KV cache memory
         committed now, so that joins do not stall steps on page faults. `on_step(seconds, batch size)`:
         after every decode step, on the engine thread. `on_interval(seconds)`: from one decode step's start to the
@@ -64,6 +68,9 @@ class EngineCore:
         self._busy_since: float | None = None  # perf_counter when the iteration under way began; None: waiting
         self._prompt_pass_s = prompt_pass_s
         self._pass_steps = pass_steps
+        self._busy_pass_steps = busy_pass_steps
+        self._busy_backlog_s = busy_backlog_s
+        self._busy = False  # whether the prompts queued here were a backlog at the last decode step
         self._step_s = 0.0  # the decode steps' recent mean duration (exponentially weighted); 0 before the first
         self._on_interval = on_interval
         self._stepped_at = 0.0  # perf_counter when the last decode step ended
@@ -235,6 +242,8 @@ class EngineCore:
             self._step_started = None
         with self._wake:
             joining, self._joining = list(self._joining), collections.deque()
+            if self._busy_pass_steps:
+                self._busy = self.prompts.backlog()[0] > self._busy_backlog_s
         for seq, kv, release in joining:  # each join first frees the blocks of sequences aborted since
             try:
                 self.batch.start(seq, kv)
@@ -257,12 +266,15 @@ class EngineCore:
     def pass_budget_s(self) -> float:
         """How long a colocated prompt pass may run since the last decode step, the least any running sequence
         allows: one with a time-per-token target allows that target less a recent step; one without, the default
-        budget, `prompt_pass_s` or `pass_steps` recent steps if that is less. 0: passes run whole."""
+        budget, `prompt_pass_s` or `pass_steps` recent steps if that is less, or while prompts queue here as a
+        backlog, `busy_pass_steps` recent steps if that is more. 0: passes run whole."""
         if not self._prompt_pass_s or self.batch is None:
             return 0.0
         default = self._prompt_pass_s
         if self._pass_steps and self._step_s:
             default = min(default, self._pass_steps * self._step_s)
+        if self._busy and self._step_s:
+            default = max(default, self._busy_pass_steps * self._step_s)
         running = list(self.batch.running)
         if not any(seq.tpot_target_s for seq in running):
             return default

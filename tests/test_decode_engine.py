@@ -136,6 +136,34 @@ def test_the_pass_budget_is_the_least_any_running_sequence_allows(tiny_runner: L
     assert EngineCore(tiny_runner, kv_blocks=8, prompt_pass_s=0.0).pass_budget_s() == 0.0  # passes run whole
 
 
+def test_a_prompt_backlog_widens_the_pass_budget_to_its_busy_steps(tiny_runner: LoadedModel,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = EngineCore(tiny_runner, kv_blocks=8, prompt_pass_s=0.035, pass_steps=1.25, busy_pass_steps=3.0,
+                        busy_backlog_s=1.0)
+    assert engine.batch is not None
+    engine._step_s = 0.020  # a recent decode step
+    engine.batch.running = [Sequence("r", 4, 8, SamplingParams(), frozenset(), lambda ids, reason: None)]
+    backlog = [0.5]
+    monkeypatch.setattr(engine.prompts, "backlog", lambda: (backlog[0], 0.0, 1))
+
+    def budget_after_a_step() -> float:
+        engine.batch.running, running = [], engine.batch.running  # type: ignore[union-attr]
+        engine._decode_step()  # an empty batch: no step, but the backlog is read as after one
+        engine.batch.running = running  # type: ignore[union-attr]
+        return engine.pass_budget_s()
+
+    assert budget_after_a_step() == pytest.approx(0.025)  # one chat's prompt: 1.25 steps (less than 35 ms)
+    backlog[0] = 1.5
+    assert budget_after_a_step() == pytest.approx(0.060)  # a backlog: 3 steps
+    engine.batch.running[0].tpot_target_s = 0.050
+    assert engine.pass_budget_s() == pytest.approx(0.030)  # a stream's own target still bounds it
+    engine.batch.running[0].tpot_target_s = 0.0
+    backlog[0] = 0.2
+    assert budget_after_a_step() == pytest.approx(0.025)  # the backlog cleared: back to the usual budget
+    assert EngineCore(tiny_runner, kv_blocks=8, prompt_pass_s=0.035, pass_steps=1.25).pass_budget_s() == \
+        pytest.approx(0.035)  # off by default (no step yet: the ms)
+
+
 def test_a_colocated_prompt_takes_the_blocks_of_a_sequence_aborted_in_the_same_step(runner: LoadedModel) -> None:
     sampling = SamplingParams(temperature=0.0)
     expected = decode_alone(runner, PROMPTS[0], sampling)
