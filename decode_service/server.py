@@ -28,7 +28,6 @@ import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import ClassVar
 
 import grpc
 from opentelemetry.trace import SpanKind
@@ -71,7 +70,6 @@ MIN_HEARTBEAT_MS = 50  # a colocated prompt's `prefilling` events: no caller may
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    SECTION: ClassVar[str] = "decode"  # its table in a config file
     server: ServerConfig
     model: ModelConfig
     max_seqs: int = setting(64, "sequences decoded at once", low=1)

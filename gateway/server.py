@@ -29,7 +29,7 @@ import time
 from collections.abc import AsyncGenerator, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import grpc
 from opentelemetry import trace
@@ -73,7 +73,6 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    SECTION: ClassVar[str] = "gateway"  # its table in a config file
     server: ServerConfig
     prefill: list[str] = field(default_factory=list)
     decode: list[str] = field(default_factory=list)

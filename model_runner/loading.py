@@ -21,6 +21,7 @@ import torch
 from protos.types import DTYPE_BYTES, ModelSpec
 from serving import models
 from serving.models import DEFAULT_MODEL
+from serving.settings import add_settings, check_settings, read_settings, setting
 
 log = logging.getLogger(__name__)
 
@@ -183,22 +184,20 @@ def _eos_token_ids(model_dir: Path, config: Any, generation_config_cls: Any) -> 
 class ModelConfig:
     """The model flags every worker takes."""
 
-    model: str = DEFAULT_MODEL
-    dtype: str = "bfloat16"  # meets the quality bar against HF fp32 (tests/test_fast_runner.py); ~2x faster
-    device: str = "cpu"
-    threads: int = 0  # torch intra-op threads; 0 leaves torch's default
-    max_model_len: int = 0  # 0 = the model's own context length
-    runner: str = "auto"  # fast (the Llama family), hf (the reference), auto: fast where it covers the model
+    model: str = setting(DEFAULT_MODEL, "a local Hugging Face causal-LM directory, or the default model's name",
+                         default_text=DEFAULT_MODEL)
+    # bfloat16 meets the quality bar against HF fp32 (tests/test_fast_runner.py) at ~2x float32's decode speed
+    dtype: str = setting("bfloat16", "compute and KV dtype", choices=tuple(sorted(DTYPES)))
+    device: str = setting("cpu", "cpu or cuda[:N]")
+    threads: int = setting(0, "torch intra-op threads; 0 leaves torch's default", low=0)
+    max_model_len: int = setting(0, "longest sequence served; 0: the model's own context length", low=0)
+    runner: str = setting("auto", "fast: the Llama-family runner; hf: the Hugging Face modules (the reference); "
+                          "auto: fast where it covers the model", choices=RUNNERS)
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype {self.dtype!r}: expected one of {sorted(DTYPES)}")
+        check_settings(self)
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"--device {self.device!r}: expected cpu or cuda[:N]")
-        if self.runner not in RUNNERS:
-            raise ValueError(f"--runner {self.runner!r}: expected one of {', '.join(RUNNERS)}")
-        if self.threads < 0 or self.max_model_len < 0:
-            raise ValueError("--threads and --max-model-len must be >= 0")
 
     def load(self) -> LoadedModel:
         if self.threads:
@@ -207,20 +206,8 @@ class ModelConfig:
 
 
 def add_model_args(parser: Any) -> None:
-    group = parser.add_argument_group("model")
-    group.add_argument("--model", default=DEFAULT_MODEL,
-                       help=f"a local Hugging Face causal-LM directory, or {DEFAULT_MODEL!r} (default)")
-    group.add_argument("--dtype", default=ModelConfig.dtype, choices=sorted(DTYPES),
-                       help="compute and KV dtype (default: %(default)s)")
-    group.add_argument("--device", default=ModelConfig.device, help="cpu or cuda[:N]")
-    group.add_argument("--threads", type=int, default=ModelConfig.threads, help="torch threads (0: torch's default)")
-    group.add_argument("--max-model-len", type=int, default=ModelConfig.max_model_len,
-                       help="longest sequence served (0: the model's)")
-    group.add_argument("--runner", default=ModelConfig.runner, choices=RUNNERS,
-                       help="fast: the Llama-family runner; hf: the Hugging Face modules (the reference); auto: fast "
-                       "where it covers the model (default)")
+    add_settings(parser.add_argument_group("model"), ModelConfig)
 
 
 def model_config(args: Any) -> ModelConfig:
-    return ModelConfig(model=args.model, dtype=args.dtype, device=args.device, threads=args.threads,
-                       max_model_len=args.max_model_len, runner=args.runner)
+    return read_settings(ModelConfig, args)

@@ -20,6 +20,7 @@ import grpc
 from protos.types import DTYPE_BYTES
 from serving import tls
 from serving.models import DEFAULT_MODEL
+from serving.settings import ROLES, config_class_of
 
 if TYPE_CHECKING:
     from pdserve.cluster import ClusterConfig
@@ -137,11 +138,6 @@ def _add_client_commands(commands: argparse._SubParsersAction) -> None:
     chat.set_defaults(run=_chat)
 
 
-CONFIG_CLASSES = {"gateway": ("gateway.server", "GatewayConfig"),
-                  "prefill": ("prefill_service.server", "PrefillConfig"),
-                  "decode": ("decode_service.server", "DecodeConfig")}
-
-
 def _add_config(commands: argparse._SubParsersAction) -> None:
     config = commands.add_parser("config", help="what a service would run with, and where each value came from")
     actions = config.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -151,7 +147,7 @@ def _add_config(commands: argparse._SubParsersAction) -> None:
         "them) and the PDSERVE_<FLAG> environment variables, and where each value came from: default, file, env or "
         "flag. Exits 2, naming the setting, where the service would refuse to start.")
     show.add_argument("--json", action="store_true", help="one JSON object: setting -> {value, source}")
-    show.add_argument("role", choices=sorted(CONFIG_CLASSES))
+    show.add_argument("role", choices=sorted(ROLES))
     show.add_argument("flags", nargs=argparse.REMAINDER, metavar="FLAGS", help="the service's own flags")
     show.set_defaults(run=_config_show)
 
@@ -159,8 +155,7 @@ def _add_config(commands: argparse._SubParsersAction) -> None:
 def _config_show(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from serving.server import parse_config
 
-    module, name = CONFIG_CLASSES[args.role]
-    config_class = getattr(importlib.import_module(module), name)
+    config_class = config_class_of(args.role)
     sources: dict[str, str] = {}
     values: dict[str, object] = {}
     # exits 2, naming the setting, where the service would refuse to start

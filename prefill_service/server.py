@@ -28,7 +28,6 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import ClassVar
 
 import grpc
 import torch
@@ -67,7 +66,6 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    SECTION: ClassVar[str] = "prefill"  # its table in a config file
     server: ServerConfig
     model: ModelConfig
     chunk_bytes: int = setting(DEFAULT_CHUNK_BYTES, "KV bytes per transfer message", above=0,

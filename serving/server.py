@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from serving import logs, memory, tls, tracing
 from serving.metrics import Metrics
-from serving.settings import add_settings, check_settings, read_settings, resolve, setting
+from serving.settings import add_settings, check_settings, read_settings, resolve, role_of, setting
 from serving.tls import TLS
 
 MAX_MESSAGE_BYTES = 8 << 20  # KV chunks are 768 KiB by default, 4 MiB at most; anything near this limit is malformed
@@ -205,7 +205,7 @@ def parse_config(prog: str, description: str | None, config_class: Any, argv: li
     parser = argparse.ArgumentParser(prog=prog, description=description)
     config_class.add_args(parser)
     try:
-        args, found = resolve(parser, config_class.SECTION, argv)
+        args, found = resolve(parser, role_of(config_class), argv)
         config = config_class.from_args(args)
     except ValueError as exc:
         parser.error(str(exc))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import math
 import os
 import tomllib
@@ -96,6 +97,25 @@ def check_settings(config: Any) -> None:
 
 
 ENV_PREFIX = "PDSERVE_"
+# Each service's config class, by its role: the role names its table in a config file and its `pdserve config
+# show` argument. Named, not imported, so that reading settings loads no service.
+ROLES = {"gateway": "gateway.server:GatewayConfig", "prefill": "prefill_service.server:PrefillConfig",
+         "decode": "decode_service.server:DecodeConfig"}
+
+
+def role_of(config_class: type) -> str:
+    """The role whose config class this is (its table in a config file)."""
+    name = f"{config_class.__module__}:{config_class.__qualname__}"
+    for role, path in ROLES.items():
+        if path == name:
+            return role
+    raise LookupError(f"{name} is no service's config class (serving/settings.py ROLES)")
+
+
+def config_class_of(role: str) -> type:
+    """The config class of `role` (imports its service)."""
+    module, name = ROLES[role].split(":")
+    return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
 
 
 def env_name(flag: str) -> str:
@@ -116,10 +136,10 @@ def _file_defaults(path: str, section: str, options: dict[str, argparse.Action])
             document = tomllib.load(file)
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ValueError(f"--config {path}: {exc}") from None
-    unknown_tables = set(document) - {"gateway", "prefill", "decode"}
+    unknown_tables = set(document) - set(ROLES)
     if unknown_tables:
-        raise ValueError(f"--config {path}: unknown tables {sorted(unknown_tables)}; expected [gateway], [prefill], "
-                         "[decode]")
+        raise ValueError(f"--config {path}: unknown tables {sorted(unknown_tables)}; expected "
+                         f"{', '.join(f'[{role}]' for role in ROLES)}")
     table = document.get(section, {})
     defaults: dict[str, Any] = {}
     for key, value in table.items():

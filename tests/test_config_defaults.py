@@ -21,6 +21,7 @@ from pdserve import cli
 from pdserve.cluster import ClusterConfig, role_args
 from prefill_service.server import PrefillConfig
 from serving.server import ServerConfig, add_server_args, parse_config, server_config
+from serving.settings import ROLES, config_class_of, role_of
 
 DECODE = "127.0.0.1:1"  # the gateway's one required flag
 
@@ -53,6 +54,16 @@ def test_pdserve_cluster_with_no_flags_gets_cluster_config_defaults() -> None:
     # the CLI writes its defaults out (so that `pdserve --help` imports nothing heavy): they must agree
     args = cli.build_parser(["cluster"]).parse_args(["cluster"])
     assert cli.cluster_config(args) == ClusterConfig()
+
+
+def test_each_role_names_its_config_class_once() -> None:
+    # one registry (serving/settings.py ROLES) gives the config file's tables, `pdserve config show`'s roles and
+    # each service's table
+    classes = {"gateway": GatewayConfig, "prefill": PrefillConfig, "decode": DecodeConfig}
+    assert {role: config_class_of(role) for role in ROLES} == classes
+    assert {role_of(cls): cls for cls in classes.values()} == classes
+    with pytest.raises(LookupError, match="ServerConfig"):
+        role_of(ServerConfig)
 
 
 @pytest.mark.parametrize("field, value, flag", [
