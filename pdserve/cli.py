@@ -13,17 +13,12 @@ import json
 import os
 import sys
 import time
-from typing import TYPE_CHECKING
 
 import grpc
 
-from protos.types import DTYPE_BYTES
+from pdserve.cluster_config import ClusterConfig
 from serving import tls
-from serving.models import DEFAULT_MODEL
-from serving.settings import ROLES, config_class_of
-
-if TYPE_CHECKING:
-    from pdserve.cluster import ClusterConfig
+from serving.settings import ROLES, add_settings, config_class_of, read_settings
 
 DEFAULT_TRACE_DIR = ".pdserve/traces"
 DEMO_PROMPT = "<|im_start|>user\nExplain in two sentences why the sky is blue.<|im_end|>\n<|im_start|>assistant\n"
@@ -71,39 +66,7 @@ def _add_cluster(commands: argparse._SubParsersAction) -> None:
                                   description="Start a gateway, --prefill N and --decode M workers as local processes, "
                                   "wait until all are healthy, print one JSON line with their addresses and pids, "
                                   "and serve until SIGINT/SIGTERM.")
-    cluster.add_argument("--prefill", type=int, default=1,
-                         help="prefill workers (default: %(default)s); 0 = colocated: decode workers prefill too")
-    cluster.add_argument("--decode", type=int, default=1, help="decode workers (default: %(default)s)")
-    cluster.add_argument("--model", default=DEFAULT_MODEL, help="model directory or %(default)r")
-    cluster.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
-    cluster.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    cluster.add_argument("--host", default="127.0.0.1", help="address every service listens on")
-    cluster.add_argument("--port", type=int, default=0, help="gateway port (default: a free port)")
-    cluster.add_argument("--http-port", type=int, default=0,
-                         help="the gateway's OpenAI-compatible HTTP port (default: a free port; -1: off)")
-    cluster.add_argument("--prefill-ports", default="", help="comma-separated ports for the prefill workers")
-    cluster.add_argument("--decode-ports", default="", help="comma-separated ports for the decode workers")
-    cluster.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: cores / workers)")
-    cluster.add_argument("--no-pin", action="store_false", dest="pin",
-                         help="do not give each worker its own cores (by default they are pinned when there are "
-                         "enough: workers x threads <= cores)")
-    cluster.add_argument("--prefill-arg", action="append", default=[], metavar="FLAG",
-                         help="extra flag for every prefill worker, e.g. --prefill-arg=--chunk-bytes=262144")
-    cluster.add_argument("--decode-arg", action="append", default=[], metavar="FLAG",
-                         help="extra flag for every decode worker, e.g. --decode-arg=--max-seqs=16")
-    cluster.add_argument("--gateway-arg", action="append", default=[], metavar="FLAG",
-                         help="extra flag for the gateway, e.g. --gateway-arg=--max-in-flight=32")
-    cluster.add_argument("--config", default="", metavar="FILE",
-                         help="a TOML config file every service reads its table of ([gateway], [prefill], "
-                         "[decode]; `pdserve config show` prints what each would run with)")
-    cluster.add_argument("--trace-dir", default="", metavar="DIR",
-                         help="every process appends its spans to DIR (OTLP JSON lines); read them with "
-                         "`pdserve trace REQUEST_ID --dir DIR`")
-    cluster.add_argument("--tls-dir", default="", metavar="DIR",
-                         help="mutual TLS between every process, with the certificates `deploy/make-certs.sh DIR` "
-                         "writes (ca.pem, gateway.pem, prefill.pem, decode.pem, client.pem and their keys)")
-    cluster.add_argument("--log-format", default="", choices=["text", "json"],
-                         help="json: every process logs JSON lines, with trace and request ids (default: text)")
+    add_settings(cluster, ClusterConfig)
     cluster.add_argument("--demo", nargs="?", const=DEMO_PROMPT, default=None, metavar="PROMPT",
                          help="once healthy, stream one completion with its timing breakdown")
     cluster.set_defaults(run=_cluster)
@@ -203,22 +166,9 @@ def _add_bench(commands: argparse._SubParsersAction, argv: list[str]) -> None:
             sub.set_defaults(run=lambda args, _parser, module=module: module.run(args))
 
 
-def _ports(text: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in text.split(",") if p.strip())
-
-
 def cluster_config(args: argparse.Namespace) -> ClusterConfig:
-    """`pdserve cluster`'s flags as a ClusterConfig. The flags' defaults are written out above rather than read from
-    ClusterConfig, so that `pdserve --help` imports nothing heavy; tests/test_config_defaults.py holds them equal."""
-    from pdserve.cluster import ClusterConfig
-
-    return ClusterConfig(prefill=args.prefill, decode=args.decode, model=args.model, dtype=args.dtype,
-                         device=args.device, host=args.host, gateway_port=args.port, http_port=args.http_port,
-                         prefill_ports=_ports(args.prefill_ports), decode_ports=_ports(args.decode_ports),
-                         threads=args.threads, prefill_args=tuple(args.prefill_arg), config_file=args.config,
-                         gateway_args=tuple(args.gateway_arg), decode_args=tuple(args.decode_arg), pin=args.pin,
-                         trace_dir=args.trace_dir, tls_dir=args.tls_dir,
-                         log_format=args.log_format if args.log_format != "text" else "")
+    """`pdserve cluster`'s flags as a ClusterConfig."""
+    return read_settings(ClusterConfig, args)  # type: ignore[no-any-return]
 
 
 def _cluster(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -14,64 +14,16 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from model_runner.loading import DTYPES, resolve_model
+from model_runner.loading import resolve_model
+from pdserve.cluster_config import ClusterConfig
 from serving import tracing
 from serving.logs import LOG_FORMAT_ENV
-from serving.models import DEFAULT_MODEL
 from serving.tls import TLS
 from serving.tls import channel as tls_channel
 
 # With no prefill workers (--prefill 0) every prompt is colocated: decode workers prefill in chunks this long
 # instead of their default 32 tokens, which keeps a running stream's wait short beside a prefill tier
 ALL_COLOCATED_CHUNK = 256
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    prefill: int = 1
-    decode: int = 1
-    model: str = DEFAULT_MODEL
-    dtype: str = "bfloat16"
-    device: str = "cpu"
-    host: str = "127.0.0.1"
-    gateway_port: int = 0
-    http_port: int = 0  # the gateway's OpenAI-compatible HTTP; 0 = a free port, -1 = off
-    prefill_ports: tuple[int, ...] = ()
-    decode_ports: tuple[int, ...] = ()
-    threads: int = 0  # per worker; 0 = the host's cores shared out evenly
-    prefill_args: tuple[str, ...] = ()  # extra flags for every prefill worker
-    decode_args: tuple[str, ...] = ()  # extra flags for every decode worker
-    gateway_args: tuple[str, ...] = ()  # extra flags for the gateway
-    startup_timeout_s: float = 300.0
-    pin: bool = True  # give each worker its own cores when there are enough (prefill never steals decode's)
-    colocate_below: int | None = None  # the gateway's --colocate-below; None: its default
-    config_file: str = ""  # a TOML config file every service reads its table of (--config)
-    trace_dir: str = ""  # every process appends its spans here (OTLP JSON lines) for `pdserve trace`
-    log_format: str = ""  # "json": every process logs JSON lines (trace and request ids on request lines)
-    tls_dir: str = ""  # mutual TLS between every process, with the certificates deploy/make-certs.sh writes here
-
-    def __post_init__(self) -> None:
-        if self.prefill < 0 or self.decode < 1:
-            raise ValueError("--prefill must be >= 0 (0: colocated) and --decode >= 1")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype {self.dtype!r}: expected one of {sorted(DTYPES)}")
-        for name, ports, count in (("prefill", self.prefill_ports, self.prefill),
-                                   ("decode", self.decode_ports, self.decode)):
-            if ports and len(ports) != count:
-                raise ValueError(f"--{name}-ports: {len(ports)} ports for {count} workers")
-
-    @property
-    def threads_per_worker(self) -> int:
-        return self.threads or max(1, len(os.sched_getaffinity(0)) // (self.prefill + self.decode))
-
-    def worker_cpus(self) -> list[set[int] | None]:
-        """Cores for each worker, prefill workers first: disjoint sets of `threads_per_worker` cores when the
-        host has enough of them, else None (the scheduler shares them out)."""
-        cores = sorted(os.sched_getaffinity(0))
-        workers, per = self.prefill + self.decode, self.threads_per_worker
-        if not self.pin or workers * per > len(cores):
-            return [None] * workers
-        return [set(cores[i * per : (i + 1) * per]) for i in range(workers)]
 
 
 @dataclass
@@ -220,7 +172,7 @@ def start(config: ClusterConfig) -> Cluster:
     if config.trace_dir:
         env[tracing.TRACE_DIR_ENV] = os.path.abspath(config.trace_dir)
         env.setdefault("OTEL_BSP_SCHEDULE_DELAY", "500")  # spans on disk within half a second, for `pdserve trace`
-    if config.log_format:
+    if config.log_format == "json":
         env[LOG_FORMAT_ENV] = config.log_format
     workers: list[Service] = []
     cpus = iter(config.worker_cpus())

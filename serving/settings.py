@@ -43,6 +43,8 @@ class Setting:
     choices: tuple[Any, ...] = ()
     metavar: str | None = None
     default_text: str = ""  # how --help shows the default, when the value alone would not say it
+    parse: Any = None  # reads the flag's text, where the default's type would not (comma-separated ports)
+    repeat: bool = False  # a repeatable flag, its values gathered into a tuple (the default is one)
 
 
 def setting(default: Any, help: str, **spec: Any) -> Any:
@@ -71,14 +73,20 @@ def add_settings(group: argparse._ActionsContainer, cls: type) -> None:
                                 "that turns it off")
             group.add_argument(flag, action="store_false", dest=field.name, help=spec.help)
             continue
+        if spec.repeat:
+            group.add_argument(flag, action="append", default=list(default),  # type: ignore[arg-type]
+                               dest=field.name, metavar=spec.metavar, help=f"{spec.help} (repeatable)")
+            continue
         shown = spec.default_text or "%(default)s"
-        group.add_argument(flag, type=type(default), default=default, dest=field.name, metavar=spec.metavar,
-                           choices=list(spec.choices) or None, help=f"{spec.help} (default: {shown})")
+        group.add_argument(flag, type=spec.parse or type(default), default=default, dest=field.name,
+                           metavar=spec.metavar, choices=list(spec.choices) or None,
+                           help=f"{spec.help} (default: {shown})")
 
 
 def read_settings(cls: type, args: argparse.Namespace, **given: Any) -> Any:
     """`cls` from the parsed flags of its settings, plus `given` (its fields that are not settings)."""
-    return cls(**{field.name: getattr(args, field.name) for field, _ in settings(cls)}, **given)
+    return cls(**{field.name: tuple(getattr(args, field.name)) if spec.repeat else getattr(args, field.name)
+                  for field, spec in settings(cls)}, **given)
 
 
 def check_settings(config: Any) -> None:

@@ -54,6 +54,16 @@ def test_pdserve_cluster_with_no_flags_gets_cluster_config_defaults() -> None:
     # the CLI writes its defaults out (so that `pdserve --help` imports nothing heavy): they must agree
     args = cli.build_parser(["cluster"]).parse_args(["cluster"])
     assert cli.cluster_config(args) == ClusterConfig()
+    # the flags are generated from ClusterConfig's settings: lists, repeats and bounds included
+    argv = ["cluster", "--prefill", "2", "--prefill-ports", "5001,5002", "--decode-arg=--max-seqs=8",
+            "--decode-arg=--lease=9", "--no-pin", "--log-format", "json"]
+    config = cli.cluster_config(cli.build_parser(argv).parse_args(argv))
+    assert (config.prefill_ports, config.decode_args, config.pin, config.log_format) == (
+        (5001, 5002), ("--max-seqs=8", "--lease=9"), False, "json")
+    for argv, named in ((["cluster", "--decode", "0"], "--decode 0: must be >= 1"),
+                        (["cluster", "--prefill", "2", "--prefill-ports", "5001"], "1 ports for 2 workers")):
+        with pytest.raises(ValueError, match=named):
+            cli.cluster_config(cli.build_parser(argv).parse_args(argv))
 
 
 def test_each_role_names_its_config_class_once() -> None:
