@@ -2,7 +2,8 @@
 
 import sys
 
-from decode_service.server import DecodeConfig, serve
+from decode_service.config import DecodeConfig
+from decode_service.server import serve
 from serving.server import main
 
 if __name__ == "__main__":

@@ -20,18 +20,17 @@ does, a `prefilling` event every heartbeat_ms tells the gateway this worker is a
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
 import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass
 
 import grpc
 from opentelemetry.trace import SpanKind
 
+from decode_service.config import DEFAULT_KV_BUDGET_MB, DecodeConfig
 from decode_service.inbox import KVInbox
 from decode_service.lending import SegmentLender
 from decode_service.reservations import (
@@ -46,11 +45,11 @@ from engine.core import EngineCore
 from engine.sequence import FAILED, Sequence
 from engine.validation import check_decoded, check_prompt
 from kv_wire import codec, segments
-from kv_wire.layout import MAX_CHUNK_BYTES, KVTransferError
+from kv_wire.layout import KVTransferError
 from kv_wire.receiver import ReceivedKV
 from kv_wire.segments import SegmentPool
 from model_runner.forward import warm_up
-from model_runner.loading import LoadedModel, ModelConfig, add_model_args, model_config
+from model_runner.loading import LoadedModel
 from model_runner.paged_cache import BLOCK_SIZE
 from protos import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, worker_pb2
 from protos.convert import model_info, sampling_from_pb
@@ -58,79 +57,11 @@ from protos.types import MAX_TPOT_TARGET_MS, check_cache_salt
 from serving import logs, tracing
 from serving import server as serving
 from serving.metrics import Metrics
-from serving.server import MAX_MESSAGE_BYTES, ServerConfig, add_server_args, server_config
-from serving.settings import add_settings, check_settings, read_settings, setting
 from serving.tls import require_peer
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KV_BUDGET_MB = 2048  # the paged KV cache: 64 sequences of ~700 tokens of the default model in fp32
 MIN_HEARTBEAT_MS = 50  # a colocated prompt's `prefilling` events: no caller may ask for a flood
-
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    server: ServerConfig
-    model: ModelConfig
-    max_seqs: int = setting(64, "sequences decoded at once", low=1)
-    kv_budget_mb: float = setting(
-        0.0, f"KV memory reservations may draw on: the paged KV cache's size (0: {DEFAULT_KV_BUDGET_MB} MiB, or less "
-        "if --max-seqs sequences at full context need less)", low=0)
-    lease_s: float = setting(
-        30.0, "seconds a reservation waits for its KV with no word from the prefill worker (a renewal while the "
-        "prompt is queued, a KV message once it streams)", flag="--lease", above=0)
-    max_chunk_bytes: int = setting(MAX_CHUNK_BYTES, "largest KV chunk accepted", above=0, high=MAX_MESSAGE_BYTES // 2)
-    # lend shared-memory segments, so a prefill worker on this host skips the wire
-    kv_shm: bool = setting(True, "lend no shared-memory segments: every KV byte comes over gRPC", flag="--no-kv-shm")
-    # Colocated prompts: most tokens prefilled between two decode steps. 32 tokens are ~40 ms of bf16 prefill on one
-    # core with AMX; where a chunk takes longer (~100 ms on an AVX2-only EPYC), --prefill-pass-ms pauses it at a
-    # layer boundary for a decode step, so a running stream waits about a step plus 35 ms at most
-    # (docs/benchmarks.md, "serve"). A worker with no prefill tier beside it prefills whole prompts: `pdserve
-    # cluster --prefill 0` gives it 256.
-    prefill_chunk: int = setting(
-        32, "colocated prompts: longer ones are prefilled in passes of this many tokens between two decode steps",
-        low=1)
-    prefill_batch_tokens: int = setting(
-        256, "colocated short prompts share one pass while the padded batch holds at most this many tokens", low=1)
-    prefill_pass_ms: float = setting(
-        35.0, "colocated prompts: while streams run, a prompt pass that has run this many ms since the last decode "
-        "step pauses at its next layer boundary for one, so a stream waits about a step plus this for its next "
-        "token; 0: passes run whole", low=0)
-    prefill_pass_steps: float = setting(
-        1.25, "colocated prompts: the pause comes sooner, once the pass has run this many decode steps (their "
-        "recent mean) if that is less than --prefill-pass-ms, so on a fast machine a stream's slowest token "
-        "interval stays near 1 + this many steps; 0: --prefill-pass-ms alone", low=0)
-    prefill_busy_steps: float = setting(
-        0.0, "colocated prompts: while those queued here would take more than --prefill-busy-ms to prefill, a pass "
-        "may run this many decode steps before one (if more than the budget above), so this core takes most of a "
-        "prompt backlog's work while its streams wait about 1 + this many steps per token; 0: off", low=0)
-    prefill_busy_ms: float = setting(
-        1000.0, "colocated prompts: the backlog, in predicted ms of passes, past which --prefill-busy-steps applies",
-        low=0)
-    buffer_keep_mb: float = setting(
-        1024.0, "idle shared-memory KV segments kept warm for later requests", flag="--kv-buffer-keep-mb", low=0)
-    kv_warm_mb: float = setting(
-        1024.0, "KV cache memory committed at startup, so joining sequences do not stall the batch on page faults",
-        low=0)
-    kv_port: int = setting(
-        -1, "serve TransferKV (the KV stream from prefill) on this port of its own, so a network policy can open it "
-        "to prefill workers only; 0 picks a free one; -1 serves it on --port", low=-1, high=65535)
-
-    def __post_init__(self) -> None:
-        check_settings(self)
-        if self.kv_port > 0 and self.kv_port == self.server.port:
-            raise ValueError(f"--kv-port {self.kv_port}: expected -1 (the main port), 0 (a free one) or a port "
-                             "other than --port")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> DecodeConfig:
-        return read_settings(cls, args, server=server_config(args), model=model_config(args))
-
-    @staticmethod
-    def add_args(parser: argparse.ArgumentParser) -> None:
-        add_server_args(parser)
-        add_model_args(parser)
-        add_settings(parser.add_argument_group("decode"), DecodeConfig)
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):

@@ -2,7 +2,8 @@
 
 import sys
 
-from gateway.server import GatewayConfig, serve
+from gateway.config import GatewayConfig
+from gateway.server import serve
 from serving.server import main
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 import sys
 
-from prefill_service.server import PrefillConfig, serve
+from prefill_service.config import PrefillConfig
+from prefill_service.server import serve
 from serving.server import main
 
 if __name__ == "__main__":

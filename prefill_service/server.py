@@ -18,16 +18,13 @@ Life of a request here:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
 import os
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 import torch
@@ -37,13 +34,14 @@ from opentelemetry.trace import SpanKind
 from engine.core import EngineCore
 from engine.prompts import Abandoned, Prefilled, PromptJob, QueueFull
 from engine.validation import check_decoded, check_prompt
-from kv_wire import codec
-from kv_wire.layout import DEFAULT_CHUNK_BYTES, LOSSY_WIRE_DTYPES, KVLayout, TransferState
+from kv_wire.layout import KVLayout
 from kv_wire.segments import SegmentMaps
-from kv_wire.sender import Item, KVSender, encode_stream
+from kv_wire.sender import KVSender
 from model_runner import forward
-from model_runner.loading import LoadedModel, ModelConfig, add_model_args, model_config
+from model_runner.loading import LoadedModel
 from model_runner.prefix_cache import PrefixCache
+from prefill_service.config import PrefillConfig
+from prefill_service.kv_push import DecodeChannels, KVPush
 from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, worker_pb2
 from protos.convert import model_info, sampling_from_pb
 from protos.types import SamplingParams, check_cache_salt
@@ -52,153 +50,11 @@ from serving import server as serving
 from serving.metrics import Metrics
 from serving.server import (
     CHANNEL_KEEPALIVE,
-    MAX_MESSAGE_BYTES,
     MESSAGE_LIMITS,
-    ServerConfig,
-    add_server_args,
-    server_config,
 )
-from serving.settings import add_settings, check_settings, read_settings, setting
 from serving.tls import aio_channel, require_peer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PrefillConfig:
-    server: ServerConfig
-    model: ModelConfig
-    chunk_bytes: int = setting(DEFAULT_CHUNK_BYTES, "KV bytes per transfer message", above=0,
-                               high=MAX_MESSAGE_BYTES // 2)
-    wire_dtype: str = setting("", "send float32 KV as bfloat16 or float16: half the bytes, lossy",
-                              choices=("", *LOSSY_WIRE_DTYPES), default_text="the model's dtype, exact")
-    kv_shm: bool = setting(True, "never use a decode worker's shared-memory segment: send every KV byte over gRPC",
-                           flag="--no-kv-shm")  # on: write KV into a segment decode lent, when it is on this host
-    layer_streaming: bool = setting(
-        True, "send the KV after the whole forward pass instead of layer by layer (a baseline)",
-        flag="--no-layer-streaming")
-    prefill_chunk: int = setting(
-        256, "prompts longer than this run in passes of this many tokens, taking turns with short prompts", low=1)
-    batch_tokens: int = setting(
-        256, "short prompts share one forward pass while the padded batch holds at most this many tokens",
-        flag="--prefill-batch-tokens", low=1)
-    max_queued_tokens: int = setting(
-        65536, "prompt tokens waiting or running; a prompt beyond it is refused with RESOURCE_EXHAUSTED", low=1)
-    prefix_cache_mb: float = setting(
-        512.0, "KV of prompt prefixes kept for reuse, so a prompt that starts like an earlier one only computes the "
-        "rest; least recently used evicted first; 0 turns it off", low=0)
-    prefix_block_tokens: int = setting(16, "prefixes are cached and matched in blocks of this many tokens", low=1)
-
-    def __post_init__(self) -> None:
-        check_settings(self)
-        if self.wire_dtype and self.model.dtype != "float32":
-            raise ValueError(f"--wire-dtype {self.wire_dtype!r}: only {' or '.join(LOSSY_WIRE_DTYPES)}, "
-                             "and only for a float32 model")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> PrefillConfig:
-        return read_settings(cls, args, server=server_config(args), model=model_config(args))
-
-    @staticmethod
-    def add_args(parser: argparse.ArgumentParser) -> None:
-        add_server_args(parser)
-        add_model_args(parser)
-        add_settings(parser.add_argument_group("prefill"), PrefillConfig)
-
-
-class _KVPush:
-    """One request's KV on its way to decode: the stream opens with the first layer and closes with the trailer."""
-
-    def __init__(self, channel: grpc.aio.Channel, sender: KVSender, abandon: threading.Event) -> None:
-        self._transfer_kv, self.sender, self._abandon = codec.transfer_kv(channel), sender, abandon
-        self._items: asyncio.Queue[Item] = asyncio.Queue()
-        self.call: asyncio.Future | None = None
-        self.started_at = 0.0
-
-    def deliver(self, item: tuple[int, torch.Tensor, torch.Tensor] | int) -> None:
-        """A finished layer (or the first token, which closes the stream). Runs on the event loop."""
-        if self.call is None:
-            if self._abandon.is_set():  # queued just before the request ended: send nothing
-                return
-            self.started_at = time.perf_counter()
-            self.call = asyncio.ensure_future(self._transfer_kv(encode_stream(self.sender, self._items)))
-            self.call.add_done_callback(self._on_transfer_end)
-        self._items.put_nowait(item)
-
-    def _on_transfer_end(self, call: asyncio.Future) -> None:
-        if not call.cancelled() and call.exception() is None:
-            self.sender.state = TransferState.COMPLETE
-            return
-        self.sender.state = TransferState.FAILED
-        # A refused transfer stops the forward pass at its next layer instead of computing for nothing.
-        self._abandon.set()
-
-    def cancel(self) -> None:
-        if self.call is not None and not self.call.done():
-            self.call.cancel()
-            self._items.put_nowait(None)
-
-
-@dataclass
-class _Lent:
-    channel: grpc.aio.Channel
-    in_flight: int = 0  # transfers using it now
-    last_used: float = 0.0
-
-
-class DecodeChannels:
-    """One channel per decode worker address, bounded: decode pods come and go (each new pod IP is a new address),
-    so a channel unused for `max_idle_s` is closed, and beyond `max_channels` the least recently used idle one is.
-    A channel with a transfer in flight (between `acquire` and `release`) is never closed."""
-
-    def __init__(self, connect: Callable[[str], grpc.aio.Channel], max_channels: int = 256,
-                 max_idle_s: float = 300.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self._connect, self.max_channels, self.max_idle_s, self._clock = connect, max_channels, max_idle_s, clock
-        self._channels: OrderedDict[str, _Lent] = OrderedDict()  # least recently used first
-        self._closing: set[asyncio.Task] = set()
-
-    def acquire(self, address: str) -> grpc.aio.Channel:
-        lent = self._channels.get(address)
-        if lent is None:
-            lent = self._channels[address] = _Lent(self._connect(address))
-        lent.in_flight += 1
-        lent.last_used = self._clock()
-        self._channels.move_to_end(address)
-        self._evict()
-        return lent.channel
-
-    def held(self, address: str) -> grpc.aio.Channel:
-        """The channel to `address` between an `acquire` and its `release` (it is not closed meanwhile)."""
-        return self._channels[address].channel
-
-    def release(self, address: str) -> None:
-        lent = self._channels[address]
-        lent.in_flight -= 1
-        lent.last_used = self._clock()
-        self._channels.move_to_end(address)
-
-    def __len__(self) -> int:
-        return len(self._channels)
-
-    def _evict(self) -> None:
-        """Close idle channels: those unused for max_idle_s, then the least recently used beyond max_channels.
-        Walks from the least recently used and stops at the first recent one, so each call costs about what it
-        closes plus the transfers in flight."""
-        stale_before, excess = self._clock() - self.max_idle_s, len(self._channels) - self.max_channels
-        idle: list[str] = []
-        for address, lent in self._channels.items():
-            if lent.last_used > stale_before and len(idle) >= excess:
-                break
-            if not lent.in_flight:
-                idle.append(address)
-        for address in idle:
-            task = asyncio.ensure_future(self._channels.pop(address).channel.close())
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
-
-    async def close(self) -> None:
-        lent, self._channels = list(self._channels.values()), OrderedDict()
-        await asyncio.gather(*(each.channel.close() for each in lent), *self._closing)
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -279,7 +135,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             sender = KVSender(request.request_id, request.reservation_token, spec.fingerprint, layout,
                               self.config.chunk_bytes, trace_context=tracing.carrier(), segment=segment)
         abandon = threading.Event()
-        push = _KVPush(self._channels.acquire(request.decode_address), sender, abandon)  # released in finally
+        push = KVPush(self._channels.acquire(request.decode_address), sender, abandon)  # released in finally
 
         def deliver(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:  # engine thread
             loop.call_soon_threadsafe(push.deliver, (layer, keys, values))
@@ -359,7 +215,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self.metrics.count("pdserve_prefix_cache_queries", prompt_tokens)
             self.metrics.count("pdserve_prefix_cache_hits", cached)
 
-    async def _renew_lease(self, request: prefill_pb2.PrefillRequest, push: _KVPush, result: asyncio.Future) -> None:
+    async def _renew_lease(self, request: prefill_pb2.PrefillRequest, push: KVPush, result: asyncio.Future) -> None:
         """Step 2's wait may outlast decode's lease: renew it at once (the lease began at decode's reservation,
         before this call reached prefill) and then every third of a lease until the KV stream opens (its messages
         renew it then), while the engine moves. A frozen or stuck worker (past the watchdog's --stall-s) stops
@@ -381,7 +237,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         finally:
             self._channels.release(request.decode_address)
 
-    async def _transfer_result(self, push: _KVPush, address: str, context: grpc.aio.ServicerContext) -> None:
+    async def _transfer_result(self, push: KVPush, address: str, context: grpc.aio.ServicerContext) -> None:
         """Wait for decode's acknowledgement; a refused or broken transfer ends this call with its status."""
         if push.call is None:
             await context.abort(grpc.StatusCode.CANCELLED, "the request ended before its KV was sent")

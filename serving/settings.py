@@ -107,8 +107,8 @@ def check_settings(config: Any) -> None:
 ENV_PREFIX = "PDSERVE_"
 # Each service's config class, by its role: the role names its table in a config file and its `pdserve config
 # show` argument. Named, not imported, so that reading settings loads no service.
-ROLES = {"gateway": "gateway.server:GatewayConfig", "prefill": "prefill_service.server:PrefillConfig",
-         "decode": "decode_service.server:DecodeConfig"}
+ROLES = {"gateway": "gateway.config:GatewayConfig", "prefill": "prefill_service.config:PrefillConfig",
+         "decode": "decode_service.config:DecodeConfig"}
 
 
 def role_of(config_class: type) -> str:

@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 import yaml
 
-from decode_service.server import DecodeConfig
-from gateway.server import GatewayConfig
+from decode_service.config import DecodeConfig
+from gateway.config import GatewayConfig
 from model_runner.loading import ModelConfig, add_model_args, model_config
 from pdserve import cli
 from pdserve.cluster import ClusterConfig, role_args
-from prefill_service.server import PrefillConfig
+from prefill_service.config import PrefillConfig
 from serving.server import ServerConfig, add_server_args, parse_config, server_config
 from serving.settings import ROLES, config_class_of, role_of
 

@@ -216,8 +216,9 @@ def test_a_prefill_request_whose_tokens_are_all_decoded_is_invalid_argument(tiny
 def test_a_request_cancelled_while_its_segment_is_being_made_gets_it_back(tiny_model_dir: Path) -> None:
     """The cancel storm found this: the segment's thread finished after the request had gone, and nobody
     returned the segment to its pool."""
+    from decode_service.config import DecodeConfig
     from decode_service.reservations import DecodeParams
-    from decode_service.server import DecodeConfig, DecodeServicer
+    from decode_service.server import DecodeServicer
     from model_runner.loading import ModelConfig
     from protos.types import SamplingParams
     from serving.server import ServerConfig

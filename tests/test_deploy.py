@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from decode_service.server import DecodeConfig
-from gateway.server import GatewayConfig
-from prefill_service.server import PrefillConfig
+from decode_service.config import DecodeConfig
+from gateway.config import GatewayConfig
+from prefill_service.config import PrefillConfig
 from serving.server import parse_config
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"

@@ -15,11 +15,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from decode_service.server import DecodeConfig, DecodeServicer
+from decode_service.config import DecodeConfig
+from decode_service.server import DecodeServicer
 from model_runner.loading import ModelConfig
 from pdserve.client import generate, stream
 from pdserve.cluster import Cluster, Service
-from prefill_service.server import PrefillConfig, PrefillServicer
+from prefill_service.config import PrefillConfig
+from prefill_service.server import PrefillServicer
 from protos import decode_pb2, prefill_pb2
 from serving.server import ServerConfig
 from tests.helpers import GREEDY, POEM, assert_nothing_held, decoding_worker, start_cluster

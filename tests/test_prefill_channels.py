@@ -12,7 +12,9 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from model_runner.loading import ModelConfig
-from prefill_service.server import DecodeChannels, PrefillConfig, PrefillServicer
+from prefill_service.config import PrefillConfig
+from prefill_service.kv_push import DecodeChannels
+from prefill_service.server import PrefillServicer
 from protos import prefill_pb2, prefill_pb2_grpc
 from serving.server import ServerConfig
 from tests.helpers import GREEDY
