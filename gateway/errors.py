@@ -4,12 +4,31 @@ status code and an OpenAI error object."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 if TYPE_CHECKING:
     from gateway.workers import Worker
+
+
+# The one table from a failure's status to HTTP's, for every edge: the gRPC edge sends the status itself, the HTTP
+# edge this code and an OpenAI error object of ERROR_TYPE (499, nginx's "client closed request", for a cancel).
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499, grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+              404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error",
+              499: "cancelled", 503: "service_unavailable", 504: "timeout"}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """An OpenAI error object."""
+    return {"error": {"message": message, "type": ERROR_TYPE.get(status, "server_error"), "param": param,
+                      "code": code}}
 
 
 class InvalidRequest(ValueError):

@@ -24,14 +24,31 @@ import logging
 import math
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
-import grpc
 from aiohttp import web
 
-from gateway.errors import DEFAULT_CLIENT_STALL_TIMEOUT_S, ClientStalled, GatewayError, InvalidRequest
+from gateway.errors import (
+    DEFAULT_CLIENT_STALL_TIMEOUT_S,
+    HTTP_STATUS,
+    ClientStalled,
+    GatewayError,
+    InvalidRequest,
+    error_body,
+)
+from gateway.openai_body import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    UNSUPPORTED,
+    BadBody,
+    BadParameter,
+    parse_json,
+    parse_slo,
+    short,
+    unicode_param,
+)
 from gateway.request import MAX_MESSAGES, MAX_STOP_STRINGS, check_stop
 from protos import gateway_pb2
 from protos.types import check_temperature
@@ -41,7 +58,7 @@ log = logging.getLogger(__name__)
 # A request body's size: 1 MiB, aiohttp's own default. That is ~250,000 tokens of prompt, past any context served
 # here (docs/architecture.md, "Why these numbers").
 MAX_BODY_BYTES = 1 << 20
-# Bodies over this are parsed on a thread of their own (_parse_json), one at a time; smaller ones take < 2 ms on the
+# Bodies over this are parsed on a thread of their own (parse_json), one at a time; smaller ones take < 2 ms on the
 # event loop.
 BIG_BODY_BYTES = 64 << 10
 _PARSING = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parse-json")
@@ -60,117 +77,16 @@ DEFAULT_BODY_TIMEOUT_S = 30.0
 # would cut long streams.
 DEFAULT_HTTP_DEADLINE_S = 600.0
 
-_HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
-    grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.CANCELLED: 499, grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-}
-_ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error",
-               499: "cancelled", 503: "service_unavailable", 504: "timeout"}
-
-# Parameters pdserve does not implement: refused when set to anything but their no-op value, never ignored.
-_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "logprobs": lambda v: v in (None, False, 0), "top_logprobs": lambda v: v in (None, 0),
-    "echo": lambda v: v in (None, False), "best_of": lambda v: v in (None, 1), "suffix": lambda v: v in (None, ""),
-    "presence_penalty": lambda v: v in (None, 0), "frequency_penalty": lambda v: v in (None, 0),
-    "logit_bias": lambda v: not v, "tools": lambda v: not v, "tool_choice": lambda v: v in (None, "none"),
-    "response_format": lambda v: v in (None, {"type": "text"}),
-    "functions": lambda v: not v, "function_call": lambda v: v in (None, "none"),
-}
-# The fields read; any other is ignored with a warning, as vLLM does (its requests allow extra fields and log
-# "fields were present in the request but ignored"), so clients that send newer OpenAI fields keep working.
-_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
-           "ignore_eos", "n", "user", "cache_salt", "slo", *_UNSUPPORTED}
-_COMPLETION_FIELDS = _FIELDS | {"prompt"}
-_CHAT_FIELDS = _FIELDS | {"messages", "max_completion_tokens"}
-
-
-def _slo(given: Any, slo: gateway_pb2.Slo) -> None:
-    """pdserve's extension field `slo`: {"ttft_ms": int, "tpot_ms": int, "refuse_late": bool}, any of them
-    (gateway.proto Slo; their bounds are checked with the rest of the request)."""
-    if given is None:
-        return
-    if not isinstance(given, dict) or not set(given) <= {"ttft_ms", "tpot_ms", "refuse_late"}:
-        raise BadParameter("slo", "slo is an object with ttft_ms, tpot_ms (milliseconds) and refuse_late")
-    for name in ("ttft_ms", "tpot_ms"):
-        value = given.get(name, 0)
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**32:
-            raise BadParameter("slo", f"slo.{name} must be a whole number of milliseconds >= 0")
-        setattr(slo, name, value)
-    refuse = given.get("refuse_late", False)
-    if not isinstance(refuse, bool):
-        raise BadParameter("slo", "slo.refuse_late must be a boolean")
-    slo.refuse_late = refuse
-
-
-class BadParameter(Exception):
-    def __init__(self, param: str, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.param, self.message, self.status = param, message, status
-
-
-class BadBody(Exception):
-    """A body refused before its fields are read: too large (413), too slow (408), or not JSON (400)."""
-
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-
-class _RepeatedKey(ValueError):
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    # A repeated key is refused, not resolved: parsers disagree on which copy wins (Python's json keeps the last),
-    # so a proxy in front could check one value and pdserve use the other.
-    obj = dict(pairs)
-    if len(obj) < len(pairs):
-        seen: set[str] = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise _RepeatedKey(key)
-            seen.add(key)
-    return obj
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")  # Python's json takes NaN and Infinity unless told not to
-
-
-def _short(name: str) -> str:
-    """A client's string, safe and short for a message or a log line."""
-    return repr(name[:40] + ("..." if len(name) > 40 else ""))
-
-
-def _unicode(value: str, param: str) -> str:
-    """`value`, if it can travel on as UTF-8: JSON's \\ud800 escapes decode to lone surrogates, which cannot."""
-    try:
-        value.encode()
-    except UnicodeEncodeError:
-        raise BadParameter(param, f"{param} is not valid Unicode: it holds a lone surrogate") from None
-    return value
-
-
-def _error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _ERROR_TYPE.get(status, "server_error"), "param": param,
-                      "code": code}}
-
-
 def error(status: int, message: str, param: str | None = None, code: str | None = None,
           headers: dict[str, str] | None = None) -> web.Response:
     """An OpenAI error object."""
-    return web.json_response(_error_body(status, message, param, code), status=status, headers=headers)
+    return web.json_response(error_body(status, message, param, code), status=status, headers=headers)
 
 
 def _failure(exc: GatewayError) -> tuple[int, dict[str, Any]]:
     """The HTTP status and OpenAI error object of a request that failed with a gRPC status."""
-    status = _HTTP_STATUS.get(exc.code, 500)
-    return status, _error_body(status, exc.message, code=exc.code.name.lower())
+    status = HTTP_STATUS.get(exc.code, 500)
+    return status, error_body(status, exc.message, code=exc.code.name.lower())
 
 
 def _failed(exc: GatewayError) -> web.Response:
@@ -189,30 +105,13 @@ async def _write(out: web.StreamResponse, data: bytes, stall_s: float) -> None:
         raise ClientStalled(stall_s) from None
 
 
-def _parse_json(raw: bytes, yielding: bool = False) -> Any:
-    """`raw` as JSON, or BadBody. `yielding`: numbers are parsed by Python functions, each a point where a thread
-    parsing a big body lets the event loop run."""
-    hooks: dict[str, Any] = {"parse_int": lambda text: int(text), "parse_float": lambda text: float(text)} \
-        if yielding else {}
-    try:
-        return json.loads(raw, object_pairs_hook=_unique_keys, parse_constant=_no_constant, **hooks)
-    except _RepeatedKey as exc:
-        raise BadBody(400, f"the request body repeats the key {_short(exc.key)}", param=exc.key[:40]) from None
-    except UnicodeDecodeError:
-        raise BadBody(400, "the request body is not valid UTF-8") from None
-    except RecursionError:
-        raise BadBody(400, "the request body nests too deeply") from None
-    except ValueError as exc:
-        raise BadBody(400, f"the request body is not valid JSON: {exc}") from None
-
-
 class _Refuse(asyncio.Protocol):
     """A connection past --max-http-connections: answered 503 with Retry-After before any request of it is read,
     then closed once the client has closed its side, or after a second (a lingering close: closing with the
     client's request unread would reset the connection and could drop the answer before the client reads it)."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        body = json.dumps(_error_body(503, "too many HTTP connections to this gateway (--max-http-connections); "
+        body = json.dumps(error_body(503, "too many HTTP connections to this gateway (--max-http-connections); "
                                       "retry later, or reuse a connection", code="too_many_connections")).encode()
         self.transport = cast(asyncio.WriteTransport, transport)  # uvloop's transports are no subclass of asyncio's
         self.transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
@@ -308,7 +207,7 @@ class OpenAIServer:
         try:
             body = await self._body(request)
             generate, stream, include_usage = self._parse(body, chat)
-            generate.request_id = _unicode(request.headers.get("X-Request-Id", ""), "X-Request-Id")
+            generate.request_id = unicode_param(request.headers.get("X-Request-Id", ""), "X-Request-Id")
         except BadBody as exc:
             refusal = error(exc.status, exc.message, param=exc.param, code="invalid_body")
             if exc.status in (408, 413):  # the rest of the body is not read: the connection cannot carry another
@@ -341,11 +240,11 @@ class OpenAIServer:
                 async with self._bodies:
                     raw = await request.read()  # aiohttp stops a chunked body at client_max_size
                     if len(raw) <= BIG_BODY_BYTES:
-                        return _parse_json(raw)
+                        return parse_json(raw)
                     # json.loads holds the GIL throughout, unless it calls back into Python: with Python hooks for
                     # numbers a thread hands the loop the GIL every switch interval (a 1 MiB list of token ids:
                     # ~7 ms the loop waits at most, ~30 ms parsed on the loop)
-                    return await asyncio.get_running_loop().run_in_executor(_PARSING, _parse_json, raw, True)
+                    return await asyncio.get_running_loop().run_in_executor(_PARSING, parse_json, raw, True)
         except web.HTTPRequestEntityTooLarge:
             raise BadBody(413, f"the request body is over {MAX_BODY_BYTES} bytes, the most accepted") from None
         except TimeoutError:
@@ -405,17 +304,17 @@ class OpenAIServer:
     def _parse(self, body: Any, chat: bool) -> tuple[gateway_pb2.GenerateRequest, bool, bool]:
         if not isinstance(body, dict):
             raise BadParameter("body", "the request body must be a JSON object")
-        ignored = sorted(set(body) - (_CHAT_FIELDS if chat else _COMPLETION_FIELDS))
+        ignored = sorted(set(body) - (CHAT_FIELDS if chat else COMPLETION_FIELDS))
         if ignored:
-            log.warning("ignored request fields this API does not know: %s%s", ", ".join(map(_short, ignored[:8])),
+            log.warning("ignored request fields this API does not know: %s%s", ", ".join(map(short, ignored[:8])),
                         f" and {len(ignored) - 8} more" if len(ignored) > 8 else "")
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise BadParameter("model", "model must be a string")
         if model not in (None, self.model_name):
-            raise BadParameter("model", f"The model {_short(model)} does not exist; this server serves "
+            raise BadParameter("model", f"The model {short(model)} does not exist; this server serves "
                                f"`{self.model_name}` (GET /v1/models)", status=404)
-        for name, harmless in _UNSUPPORTED.items():
+        for name, harmless in UNSUPPORTED.items():
             if not harmless(body.get(name)):
                 raise BadParameter(name, f"{name} is not supported by pdserve")
         n = body.get("n")
@@ -461,7 +360,7 @@ class OpenAIServer:
             check_stop(stop or [])
         except InvalidRequest as exc:
             raise BadParameter("stop", str(exc)) from None
-        generate.stop.extend(_unicode(s, "stop") for s in stop or [])
+        generate.stop.extend(unicode_param(s, "stop") for s in stop or [])
         ignore_eos = body.get("ignore_eos", False)
         if not isinstance(ignore_eos, bool):
             raise BadParameter("ignore_eos", "ignore_eos must be a boolean")
@@ -469,8 +368,8 @@ class OpenAIServer:
         salt = body.get("cache_salt")  # as vLLM's: a non-empty string when given (its length: parse_request)
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise BadParameter("cache_salt", "cache_salt must be a non-empty string")
-        generate.cache_salt = _unicode(salt or "", "cache_salt")
-        _slo(body.get("slo"), generate.slo)
+        generate.cache_salt = unicode_param(salt or "", "cache_salt")
+        parse_slo(body.get("slo"), generate.slo)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise BadParameter("stream", "stream must be a boolean")
@@ -486,7 +385,7 @@ class OpenAIServer:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str) and prompt:
-            generate.prompt = _unicode(prompt, "prompt")
+            generate.prompt = unicode_param(prompt, "prompt")
         elif isinstance(prompt, list) and prompt and all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32 for t in prompt):
             generate.token_ids.extend(prompt)
@@ -514,8 +413,8 @@ class OpenAIServer:
                 content = "".join(p["text"] for p in content)
             if not isinstance(content, str):
                 raise BadParameter(f"messages[{i}].content", "content must be a string or a list of text parts")
-            turns.append(gateway_pb2.ChatMessage(role=_unicode(message["role"], f"messages[{i}].role"),
-                                                 content=_unicode(content, f"messages[{i}].content")))
+            turns.append(gateway_pb2.ChatMessage(role=unicode_param(message["role"], f"messages[{i}].role"),
+                                                 content=unicode_param(content, f"messages[{i}].content")))
         return turns
 
 

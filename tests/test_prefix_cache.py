@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from engine.core import EngineCore
 from engine.prompts import Abandoned, Prefilled
-from gateway.workers import Pool, PrefixIndex
+from gateway.prefix_index import PrefixIndex
+from gateway.workers import Pool
 from model_runner import forward
 from model_runner.loading import LoadedModel
 from model_runner.prefix_cache import PrefixCache

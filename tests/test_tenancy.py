@@ -422,7 +422,7 @@ def _answer(host: str, port: str, request: bytes = b"") -> bytes:
 def test_a_big_body_is_parsed_off_the_event_loop_and_hands_it_back() -> None:
     """A 1 MiB list of token ids (~30 ms to parse): parsed on a thread whose number hooks let the loop run, so a
     timer on the loop fires during the parse; and parsed exactly as json.loads parses it."""
-    from gateway import openai_api
+    from gateway import openai_api, openai_body
 
     body = json.dumps({"prompt": list(range(1 << 17, (1 << 17) + 150_000)), "max_tokens": 2}).encode()
     assert len(body) > openai_api.BIG_BODY_BYTES
@@ -440,7 +440,7 @@ def test_a_big_body_is_parsed_off_the_event_loop_and_hands_it_back() -> None:
         ticker = asyncio.ensure_future(tick())
         await asyncio.sleep(0)
         ticks = 0
-        parsed = await asyncio.get_running_loop().run_in_executor(openai_api._PARSING, openai_api._parse_json,
+        parsed = await asyncio.get_running_loop().run_in_executor(openai_api._PARSING, openai_body.parse_json,
                                                                   body, True)
         parsing = False
         await ticker
