@@ -210,13 +210,25 @@ def _fp32_copy(weight: torch.Tensor) -> torch.Tensor | None:
     return weight.float().contiguous()
 
 
+PROMPT_GEMMS = ("auto", "kernel", "amx", "fp32")
+
+
+def choose_prompt_gemm(choice: str) -> None:
+    """Prompt GEMMs of weights packed from now on go where `choice` says (a worker's --prompt-gemm, which
+    PDSERVE_PROMPT_GEMM also sets), as far as the CPU allows (`prompt_gemm`)."""
+    if choice not in PROMPT_GEMMS:
+        raise ValueError(f"--prompt-gemm {choice!r}: expected one of {', '.join(PROMPT_GEMMS)}")
+    os.environ["PDSERVE_PROMPT_GEMM"] = choice
+    prompt_gemm.cache_clear()
+
+
 @functools.cache
 def prompt_gemm() -> str:
     """Where prompt GEMMs of bfloat16 weights go: "amx" (oneDNN's AMX kernels), "fp32" (torch's float32 GEMM on a
     float32 copy) or "kernel" (the kernel above), as PDSERVE_PROMPT_GEMM (auto: amx where the CPU has it, else
     kernel; kernel; amx; fp32) and the CPU allow."""
     asked = os.environ.get("PDSERVE_PROMPT_GEMM", "auto")
-    if asked not in ("auto", "kernel", "amx", "fp32"):
+    if asked not in PROMPT_GEMMS:
         raise ValueError(f"PDSERVE_PROMPT_GEMM={asked!r}: expected auto, kernel, amx or fp32")
     if asked == "kernel" or not KERNEL.load():
         return "kernel"

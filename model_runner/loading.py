@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from model_runner import gemm
 from protos.types import DTYPE_BYTES, ModelSpec
 from serving import models
 from serving.models import DEFAULT_MODEL
@@ -193,6 +194,10 @@ class ModelConfig:
     max_model_len: int = setting(0, "longest sequence served; 0: the model's own context length", low=0)
     runner: str = setting("auto", "fast: the Llama-family runner; hf: the Hugging Face modules (the reference); "
                           "auto: fast where it covers the model", choices=RUNNERS)
+    prompt_gemm: str = setting(
+        "auto", "where prompt GEMMs of bfloat16 weights run: kernel (the decode kernel), fp32 (torch's float32 GEMM "
+        "on a float32 copy of each weight: faster for long prompts on CPUs without AVX512-BF16, slower for short "
+        "ones), amx (oneDNN's AMX kernels); auto: amx where the CPU has it, else kernel", choices=gemm.PROMPT_GEMMS)
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -202,6 +207,8 @@ class ModelConfig:
     def load(self) -> LoadedModel:
         if self.threads:
             torch.set_num_threads(self.threads)
+        if self.prompt_gemm != "auto":  # auto leaves PDSERVE_PROMPT_GEMM, which a service reads as this setting
+            gemm.choose_prompt_gemm(self.prompt_gemm)
         return load_model(resolve_model(self.model), self.dtype, self.device, self.max_model_len, self.runner)
 
 
