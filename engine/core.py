@@ -46,7 +46,7 @@ class EngineCore:
         same ratio of slowest to usual token interval as a slow one's. `busy_pass_steps` > `pass_steps`: while the
         prompts queued here would take more than `busy_backlog_s` to prefill (a backlog, not one chat's prompt), the
         budget is that many decode steps instead, so the core gives most of its time to the backlog and each stream
-        waits about 1 + that many steps per token (0: the budget above always).
+        waits about 1 + that many steps per token, its passes running back to back (0: the budget above always).
         `max_queued_tokens`: the prompt queue's token budget (None: unbounded). `kv_warm_bytes`: KV cache memory
         committed now, so that joins do not stall steps on page faults. `on_step(seconds, batch size)`:
         after every decode step, on the engine thread. `on_interval(seconds)`: from one decode step's start to the
@@ -206,6 +206,10 @@ class EngineCore:
             try:
                 self._decode_step()
                 self.prompts.run_next_pass()
+                # A backlog: passes back to back, each pausing at a layer boundary for a step once the budget since
+                # the last one is spent (_between_layers), so short chunks fill the budget too.
+                while self._busy and self.prompts and not self._stopping:
+                    self.prompts.run_next_pass()
             except Exception:  # each stage fails its own requests; this guard keeps the thread serving the rest
                 log.exception("engine iteration failed")
             finally:

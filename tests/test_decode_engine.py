@@ -164,6 +164,35 @@ def test_a_prompt_backlog_widens_the_pass_budget_to_its_busy_steps(tiny_runner: 
         pytest.approx(0.035)  # off by default (no step yet: the ms)
 
 
+def test_a_prompt_backlog_runs_its_chunks_back_to_back_within_the_budget_and_decodes_the_same(
+        runner: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    sampling = SamplingParams(temperature=0.0)
+    expected = [decode_alone(runner, prompt, sampling) for prompt in PROMPTS[:2]]
+    steps = [0]
+    # a roomy budget, and any backlog counts as one: the 40-token prompt's five 8-token chunks run back to back
+    engine = EngineCore(runner, kv_blocks=64, chunk_tokens=8, prompt_pass_s=60.0, busy_pass_steps=1.0,
+                        busy_backlog_s=-1.0, on_step=lambda seconds, size: steps.__setitem__(0, steps[0] + 1))
+    steps_before_pass: list[int] = []
+
+    def counting_pass(runner: LoadedModel, prompts: list[list[int]], cache: object) -> torch.Tensor:
+        steps_before_pass.append(steps[0])
+        return forward.prefill_pass(runner, prompts, cache)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(prompts_module, "prefill_pass", counting_pass)
+    colocated: list[EngineStream] = []
+    engine.start()
+    try:
+        running = EngineStream(engine, runner, PROMPTS[0], sampling, "running", at={2: lambda: colocated.append(
+            EngineStream(engine, runner, PROMPTS[1], sampling, "colocated", colocated=True))})
+        running.wait_for()
+        colocated[0].wait_for()
+    finally:
+        engine.close()
+    assert len(steps_before_pass) == 5 and len(set(steps_before_pass)) == 1  # no decode step between the chunks
+    assert [running.tokens, colocated[0].tokens] == expected
+    assert engine.live_sequences == 0
+
+
 def test_a_colocated_prompt_takes_the_blocks_of_a_sequence_aborted_in_the_same_step(runner: LoadedModel) -> None:
     sampling = SamplingParams(temperature=0.0)
     expected = decode_alone(runner, PROMPTS[0], sampling)
