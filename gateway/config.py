@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from gateway.admission import AdmissionConfig
 from gateway.auth import ApiKeys
 from gateway.errors import DEFAULT_CLIENT_STALL_TIMEOUT_S
-from gateway.journey import RetryPolicy
+from gateway.failover import RetryPolicy
 from gateway.openai_api import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HTTP_DEADLINE_S,

@@ -8,7 +8,7 @@ Life of a request here:
    and KV budget; while none has room the request waits, within the same timeout.
 3. A prefill worker runs the prompt and pushes its KV to that decode worker; the first token comes back at once.
    A worker that fails before then (dead, unreachable, queue full, damaged KV) is retried on another one, with
-   backoff and jitter, within the deadline (journey.run_with_failover).
+   backoff and jitter, within the deadline (failover.run_with_failover).
 4. Tokens stream from decode; each batch is detokenized incrementally and checked against stop strings. If the
    decode worker dies mid-stream, the stream migrates: the tokens sent join the prompt, another decode worker
    reserves, a prefill worker re-prefills, and the stream continues with no token repeated or missing.
@@ -33,13 +33,13 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from gateway import journey
 from gateway.admission import Admission, AdmissionConfig, Overloaded
 from gateway.auth import ApiKeys
 from gateway.config import GatewayConfig
 from gateway.detokenizer import TextStream
 from gateway.errors import DEFAULT_CLIENT_STALL_TIMEOUT_S, ClientStalled, GatewayError, InvalidRequest
-from gateway.journey import RetryPolicy, Timings
+from gateway.failover import RetryPolicy, run_with_failover
+from gateway.journey import Timings
 from gateway.openai_api import (
     OpenAIServer,
 )
@@ -427,7 +427,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         first_at = 0.0
         finish = ""
         # aclosing: a stop string ends the loop early, and the journey must cancel its worker calls right then
-        journey_ = journey.run_with_failover(params, self.prefill, self.decode, timings, deadline, self.colocation,
+        journey_ = run_with_failover(params, self.prefill, self.decode, timings, deadline, self.colocation,
                                              self.retry, self.pairs, self.eos_token_ids)
         async with contextlib.aclosing(journey_) as pieces:
             async for tokens in pieces:

@@ -22,7 +22,9 @@ import pytest
 
 from gateway import journey
 from gateway.admission import AdmissionConfig
-from gateway.journey import GatewayError, NoDecodeCapacity, RetryPolicy, Timings, Tokens
+from gateway.errors import GatewayError, NoDecodeCapacity
+from gateway.failover import RetryPolicy, run_with_failover
+from gateway.journey import Timings, Tokens
 from gateway.placement import Placement
 from gateway.request import GenerateParams
 from gateway.server import GatewayServicer
@@ -147,7 +149,7 @@ async def _journey(params: GenerateParams, prefill: Pool, decode: Pool, policy: 
                    ) -> tuple[list[Tokens], Timings]:
     """The journey's pieces; `after_first` is set once the first token reached the caller."""
     timings, pieces = Timings(), []
-    tokens = journey.run_with_failover(params, prefill, decode, timings, None, False, policy or RetryPolicy(), None,
+    tokens = run_with_failover(params, prefill, decode, timings, None, False, policy or RetryPolicy(), None,
                                        eos)
     async for piece in tokens:
         pieces.append(piece)
@@ -244,7 +246,7 @@ def test_a_colocated_stream_migrates_with_its_sent_tokens_marked_decoded() -> No
                                                       "length")])
         prefill, decode = _pools(dying, spare)
         timings = Timings()
-        pieces = [piece async for piece in journey.run_with_failover(
+        pieces = [piece async for piece in run_with_failover(
             _params(6), prefill, decode, timings, None, True, RetryPolicy(), None, frozenset({EOS}))]
         assert [t for piece in pieces for t in piece.token_ids] == ANSWER[:6] and timings.migrations == 1
         first, again = dying.requests[0], spare.requests[0]
