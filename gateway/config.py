@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 from gateway.admission import AdmissionConfig
 from gateway.auth import ApiKeys
-from gateway.errors import DEFAULT_CLIENT_STALL_TIMEOUT_S
 from gateway.failover import RetryPolicy
 from gateway.openai_api import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -19,6 +18,7 @@ from gateway.request import (
     MAX_TPOT_TARGET_MS,
     MAX_TTFT_TARGET_MS,
 )
+from gateway.stalls import DEFAULT_CLIENT_STALL_TIMEOUT_S
 from gateway.workers import Keepalive
 from serving.models import DEFAULT_MODEL
 from serving.server import ServerConfig, add_server_args, server_config

@@ -55,18 +55,3 @@ class GatewayError(Exception):
 
 class NoDecodeCapacity(GatewayError):
     """Every decode worker refused the reservation for room: the request waits (`capacity_wait_s`) and asks again."""
-
-
-# Seconds a client may leave one write of its stream undrained. A write waits only once the kernel's socket buffers
-# and HTTP/2's flow-control window (together ~100 KB to a few MB: hundreds to thousands of tokens) are full, so a
-# reader that takes nothing for this long is gone or hostile; 20 s outlasts TCP's retransmission backoff over a brief
-# network drop (1 + 2 + 4 + 8 s) and a mobile hand-over. nginx's send_timeout is 60 s; a held place costs more here.
-DEFAULT_CLIENT_STALL_TIMEOUT_S = 20.0
-
-
-class ClientStalled(Exception):
-    """The client left a write of its stream undrained for the stall timeout: the request is cut, everything it held
-    freed, and its transport closed (HTTP) or its status sent once the client reads again (gRPC)."""
-
-    def __init__(self, timeout_s: float) -> None:
-        super().__init__(f"the client read nothing for {timeout_s:g} s: request cut (--client-stall-timeout)")

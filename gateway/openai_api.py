@@ -30,14 +30,7 @@ from typing import Any, cast
 
 from aiohttp import web
 
-from gateway.errors import (
-    DEFAULT_CLIENT_STALL_TIMEOUT_S,
-    HTTP_STATUS,
-    ClientStalled,
-    GatewayError,
-    InvalidRequest,
-    error_body,
-)
+from gateway.errors import HTTP_STATUS, GatewayError, InvalidRequest, error_body
 from gateway.openai_body import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -50,6 +43,7 @@ from gateway.openai_body import (
     unicode_param,
 )
 from gateway.request import MAX_MESSAGES, MAX_STOP_STRINGS, check_stop
+from gateway.stalls import DEFAULT_CLIENT_STALL_TIMEOUT_S, ClientStalled, sse_write
 from protos import gateway_pb2
 from protos.types import check_temperature
 
@@ -93,16 +87,6 @@ def _failed(exc: GatewayError) -> web.Response:
     status, body = _failure(exc)
     headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_ms / 1000)))} if status == 429 else None
     return web.json_response(body, status=status, headers=headers)
-
-
-async def _write(out: web.StreamResponse, data: bytes, stall_s: float) -> None:
-    """One write of a stream; ClientStalled once the client leaves it undrained for `stall_s` (out.write waits only
-    when the socket's buffers are full, so only a client that stopped reading ever waits here)."""
-    try:
-        async with asyncio.timeout(stall_s):
-            await out.write(data)
-    except TimeoutError:
-        raise ClientStalled(stall_s) from None
 
 
 class _Refuse(asyncio.Protocol):
@@ -271,7 +255,7 @@ class OpenAIServer:
         stall_s = self.stall_timeout_s
 
         async def send(payload: object) -> None:
-            await _write(out, b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n", stall_s)
+            await sse_write(out, b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n", stall_s)
 
         try:
             if reply.chat:
@@ -289,7 +273,7 @@ class OpenAIServer:
                     response = await anext(responses, None)
             except GatewayError as exc:  # mid-stream: the status is sent already, so the error is an event
                 await send(_failure(exc)[1])
-            await _write(out, b"data: [DONE]\n\n", stall_s)
+            await sse_write(out, b"data: [DONE]\n\n", stall_s)
         except ClientStalled as exc:
             # Cut: the stream's place and worker calls are freed as this returns (_serve closes the responses),
             # and the connection is closed under the client, its unread bytes dropped.

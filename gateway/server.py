@@ -21,12 +21,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
-import os
 import sys
 import time
 from collections.abc import AsyncGenerator, Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -37,7 +34,7 @@ from gateway.admission import Admission, AdmissionConfig, Overloaded
 from gateway.auth import ApiKeys
 from gateway.config import GatewayConfig
 from gateway.detokenizer import TextStream
-from gateway.errors import DEFAULT_CLIENT_STALL_TIMEOUT_S, ClientStalled, GatewayError, InvalidRequest
+from gateway.errors import GatewayError, InvalidRequest
 from gateway.failover import RetryPolicy, run_with_failover
 from gateway.journey import Timings
 from gateway.openai_api import (
@@ -52,76 +49,18 @@ from gateway.request import (
     max_prompt_chars,
     parse_request,
 )
-from gateway.tokenizer import Tokenizer
+from gateway.stalls import DEFAULT_CLIENT_STALL_TIMEOUT_S, ClientStalled, grpc_write, settled
+from gateway.tokenizer import Tokenizer, model_name, tokenizer_dir
 from gateway.workers import Colocation, PairBreakers, Pool, check_pairing
 from protos import gateway_pb2, gateway_pb2_grpc, worker_pb2
 from serving import logs, tracing
 from serving import server as serving
 from serving.metrics import Metrics
-from serving.models import DEFAULT_MODEL, model_dir
 
 log = logging.getLogger(__name__)
 
 
 _CANCEL_CALL = "request was cancelled by a Cancel call"  # the message a Cancel call cancels a handler's task with
-
-
-async def _write_within(context: grpc.aio.ServicerContext, response: gateway_pb2.GenerateResponse,
-                        stall_s: float, stalled: list[asyncio.Future[None]]) -> None:
-    """context.write(response); ClientStalled once the client has left it unread for `stall_s`, the write left
-    pending and put in `stalled`. A cancel of the caller (the client's own cancel or disconnect) cancels the
-    write, as it always did."""
-    write = asyncio.ensure_future(context.write(response))
-    write.add_done_callback(_retrieved)
-    try:
-        done, _ = await asyncio.wait({write}, timeout=stall_s)
-    except asyncio.CancelledError:
-        write.cancel()
-        raise
-    if not done:
-        stalled.append(write)
-        raise ClientStalled(stall_s)
-    write.result()
-
-
-def _retrieved(write: asyncio.Future[None]) -> None:
-    """Reads a finished write's exception, so that one nobody awaited (the call ended as its handler was
-    cancelled) is not logged as never retrieved."""
-    if not write.cancelled():
-        write.exception()
-
-
-async def _settled(stalled: list[asyncio.Future[None]]) -> bool:
-    """Waits for a stalled write, if there is one; whether the call can still take a status (False: the call
-    ended under the write, and nobody waits for one)."""
-    if not stalled:
-        return True
-    try:
-        await stalled[0]
-    except Exception as ended:  # noqa: BLE001
-        log.debug("a stalled stream's write ended with %r", ended)
-        return False
-    return True
-
-
-class _SampledLog:
-    """One line per `every_s` at most, standing for the lines it held back: a client flooding past its cap is
-    refused hundreds of times a second, and a line each would cost the event loop and drown everyone's log (the
-    refusals are counted in full by pdserve_rejections_total). The count of a burst's last second comes with the
-    next refusal's line, whenever that is."""
-
-    def __init__(self, what: str, every_s: float = 1.0) -> None:
-        self.what, self.every_s = what, every_s
-        self._last, self._held = -math.inf, 0
-
-    def log(self, message: str) -> None:
-        now = time.monotonic()
-        if now - self._last < self.every_s:
-            self._held += 1
-            return
-        held = f" (and {self._held} more since the last such line)" if self._held else ""
-        log.info("ended with %s: %s%s", self.what, message, held)
-        self._last, self._held = now, 0
 
 
 class _CancelCall(Exception):
@@ -167,7 +106,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._cancelled: set[tuple[str, str]] = set()  # ids that Cancel ended
         # Generate handlers inside context.write -> whether a Cancel is waiting for that write to finish
         self._writing: dict[asyncio.Task, bool] = {}
-        self._refusals = _SampledLog("RESOURCE_EXHAUSTED")
+        self._refusals = logs.SampledLog(log, "RESOURCE_EXHAUSTED")
         self.metrics = Metrics(
             gauges={"pdserve_live_requests": ("requests in flight at the gateway, queued ones included",
                                               lambda: self._live),
@@ -219,13 +158,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 async for response in responses:
                     self._writing[task] = False
                     try:
-                        await _write_within(context, response, self.client_stall_timeout_s, stalled)
+                        await grpc_write(context, response, self.client_stall_timeout_s, stalled)
                     finally:
                         cancel_deferred = self._writing.pop(task)
                     if cancel_deferred:
                         raise _CancelCall
         except GatewayError as exc:
-            if not await _settled(stalled):
+            if not await settled(stalled):
                 return
             hint = (("retry-after-ms", str(exc.retry_after_ms)),) if exc.retry_after_ms else ()
             await context.abort(exc.code, exc.message, trailing_metadata=hint)
@@ -238,12 +177,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             # grpc's --max-concurrent-rpcs. Until then it counts against its client's --max-in-flight-per-client,
             # so that one client cannot pile up such calls past its share.
             with self.admission.holding(self.keys.tenant(metadata) or peer):
-                if not await _settled(stalled):
+                if not await settled(stalled):
                     return
             await context.abort(grpc.StatusCode.CANCELLED, str(exc))
         except _CancelCall:  # the stream above is closed (and counted): its worker calls are cancelled
             log.info("ended with CANCELLED: %s, once its write was done", _CANCEL_CALL)
-            if not await _settled(stalled):
+            if not await settled(stalled):
                 return
             await context.abort(grpc.StatusCode.CANCELLED, _CANCEL_CALL)
         except asyncio.CancelledError:
@@ -252,7 +191,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if task.cancelling():
                 raise
             # not this task's cancel: a worker call cancelled under it that the journey did not catch
-            if not await _settled(stalled):
+            if not await settled(stalled):
                 return
             await context.abort(grpc.StatusCode.UNAVAILABLE, "a worker call was cancelled under the request")
 
@@ -479,13 +418,13 @@ async def serve(config: GatewayConfig) -> None:
     decode = Pool("decode", config.decode, tls=config.server.tls, keepalive=config.keepalive)
     await asyncio.gather(prefill.fetch_info(config.startup_timeout_s), decode.fetch_info(config.startup_timeout_s))
     model = check_pairing(prefill, decode)
-    tokenizer = await asyncio.to_thread(Tokenizer.from_dir, _tokenizer_dir(config.model))
+    tokenizer = await asyncio.to_thread(Tokenizer.from_dir, tokenizer_dir(config.model))
     max_prompt_chars(tokenizer, model.max_model_len)  # its vocabulary scan holds the GIL ~20 ms: now, not in a request
     servicer = GatewayServicer(tokenizer, model, prefill, decode,
                                Placement(config.placement, Colocation(config.colocate_below, config.colocate_queued),
                                          config.target_ttft_ms, config.target_tpot_ms), config.retry,
                                config.admission, ApiKeys.load(config.api_key_file), config.client_stall_timeout_s)
-    http = OpenAIServer(servicer, config.served_model_name or _model_name(config.model), config.http_body_timeout_s,
+    http = OpenAIServer(servicer, config.served_model_name or model_name(config.model), config.http_body_timeout_s,
                         config.http_deadline_s, config.client_stall_timeout_s, config.max_http_connections)
     announce = {}
     if config.http_port >= 0:
@@ -516,18 +455,3 @@ async def serve(config: GatewayConfig) -> None:
         await decode.close()
 
     await serving.serve("gateway", config.server, register, shutdown, servicer.metrics, announce)
-
-
-def _tokenizer_dir(model: str) -> Path:
-    """The model's directory. The gateway never converts the default model: a worker does, before it answers
-    GetInfo, and serve() reads the tokenizer only once workers have answered."""
-    path = model_dir(model)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"--model {model!r}: {path} holds no converted model yet; a prefill or decode worker "
-                         "converts it when it starts (with PDSERVE_CACHE pointing where this gateway looks)")
-    return path
-
-
-def _model_name(model: str) -> str:
-    """The name clients use for the model: the default model's name, or a model directory's name."""
-    return model if model == DEFAULT_MODEL else os.path.basename(os.path.normpath(model))

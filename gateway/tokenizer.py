@@ -12,6 +12,7 @@ tests/test_gateway_tokenizer.py checks it against transformers.
 from __future__ import annotations
 
 import json
+import os
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,8 @@ import jinja2
 import tokenizers
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from serving.models import DEFAULT_MODEL, model_dir
 
 # transformers' named special tokens: the chat template sees each one the config names (bos_token, eos_token, ...)
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -111,3 +114,18 @@ def _compile(template: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(template)
+
+
+def tokenizer_dir(model: str) -> Path:
+    """The model's directory. The gateway never converts the default model: a worker does, before it answers
+    GetInfo, and serve() reads the tokenizer only once workers have answered."""
+    path = model_dir(model)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model {model!r}: {path} holds no converted model yet; a prefill or decode worker "
+                         "converts it when it starts (with PDSERVE_CACHE pointing where this gateway looks)")
+    return path
+
+
+def model_name(model: str) -> str:
+    """The name clients use for the model: the default model's name, or a model directory's name."""
+    return model if model == DEFAULT_MODEL else os.path.basename(os.path.normpath(model))

@@ -16,6 +16,7 @@ import contextvars
 import json
 import logging
 import logging.handlers
+import math
 import os
 import queue
 import sys
@@ -218,3 +219,23 @@ def configure() -> None:
 
 
 atexit.register(_stop_listener)  # after logging's own exit hook is registered, so it runs before it
+
+
+class SampledLog:
+    """One line per `every_s` at most, standing for the lines it held back: a client flooding past its cap is
+    refused hundreds of times a second, and a line each would cost the event loop and drown everyone's log (the
+    refusals are counted in full by a metric). The count of a burst's last second comes with the
+    next refusal's line, whenever that is."""
+
+    def __init__(self, logger: logging.Logger, what: str, every_s: float = 1.0) -> None:
+        self.logger, self.what, self.every_s = logger, what, every_s
+        self._last, self._held = -math.inf, 0
+
+    def log(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            self._held += 1
+            return
+        held = f" (and {self._held} more since the last such line)" if self._held else ""
+        self.logger.info("ended with %s: %s%s", self.what, message, held)
+        self._last, self._held = now, 0

@@ -513,8 +513,8 @@ def test_a_tokenizing_job_whose_deadline_passed_is_dropped_unrun() -> None:
 def test_refusals_for_capacity_are_logged_once_a_second_with_how_many_they_stand_for(
         caplog: pytest.LogCaptureFixture) -> None:
     """A client flooding past its cap is refused hundreds of times a second: one line stands for them all."""
-    from gateway.server import _SampledLog
-    sampled = _SampledLog("RESOURCE_EXHAUSTED", every_s=3600)
+    from serving.logs import SampledLog
+    sampled = SampledLog(logging.getLogger("gateway.server"), "RESOURCE_EXHAUSTED", every_s=3600)
     with caplog.at_level(logging.INFO, logger="gateway.server"):
         for _ in range(500):
             sampled.log("over its cap")
