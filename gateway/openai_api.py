@@ -30,6 +30,7 @@ from typing import Any, cast
 
 from aiohttp import web
 
+from gateway.core import Gateway
 from gateway.errors import HTTP_STATUS, GatewayError, InvalidRequest, error_body
 from gateway.openai_body import (
     CHAT_FIELDS,
@@ -117,13 +118,13 @@ class _Refuse(asyncio.Protocol):
 
 
 class OpenAIServer:
-    def __init__(self, servicer: Any, model_name: str, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    def __init__(self, gateway: Gateway, model_name: str, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                  deadline_s: float = DEFAULT_HTTP_DEADLINE_S,
                  stall_timeout_s: float = DEFAULT_CLIENT_STALL_TIMEOUT_S,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
-        """`servicer`: the GatewayServicer whose `stream`, `tokenizer`, `keys` and `model` it uses. `deadline_s`:
+        """`gateway`: the core whose `stream`, `keys`, `model` and `metrics` it uses. `deadline_s`:
         every HTTP request's deadline (HTTP clients send none; without one a request could wait forever)."""
-        self.servicer, self.model_name, self.body_timeout_s = servicer, model_name, body_timeout_s
+        self.gateway, self.model_name, self.body_timeout_s = gateway, model_name, body_timeout_s
         self.deadline_s = deadline_s
         self.stall_timeout_s = stall_timeout_s  # a stream the client leaves undrained this long is cut
         self.created = int(time.time())
@@ -162,7 +163,7 @@ class OpenAIServer:
 
     @web.middleware
     async def _errors_and_keys(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if request.path.startswith("/v1/") and not self.servicer.keys.allows(request.headers):
+        if request.path.startswith("/v1/") and not self.gateway.keys.allows(request.headers):
             return error(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
                          code="invalid_api_key")
         try:
@@ -179,7 +180,7 @@ class OpenAIServer:
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "pdserve",
-            "max_model_len": self.servicer.model.max_model_len}]})
+            "max_model_len": self.gateway.model.max_model_len}]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=False)
@@ -202,7 +203,7 @@ class OpenAIServer:
             return error(exc.status, exc.message, param=exc.param, code=code)
         headers = {key.lower(): value for key, value in request.headers.items()}  # traceparent, if sent
         deadline = asyncio.get_running_loop().time() + self.deadline_s
-        responses = self.servicer.stream(generate, deadline, headers, peer=request.remote or "")
+        responses = self.gateway.stream(generate, deadline, headers, peer=request.remote or "")
         async with contextlib.aclosing(responses):
             try:  # the first response decides the status: a refusal is an HTTP error, not a stream
                 first = await anext(responses)
@@ -277,7 +278,7 @@ class OpenAIServer:
         except ClientStalled as exc:
             # Cut: the stream's place and worker calls are freed as this returns (_serve closes the responses),
             # and the connection is closed under the client, its unread bytes dropped.
-            self.servicer.metrics.count("pdserve_client_stalls")
+            self.gateway.metrics.count("pdserve_client_stalls")
             log.warning("%s (%s)", exc, request.remote)
             if request.transport is not None:
                 request.transport.abort()

@@ -1,20 +1,5 @@
-"""Gateway: the front door. Clients stream completions from it; it drives prefill and decode for them.
-
-Life of a request here:
-1. Generate arrives: fields are checked (INVALID_ARGUMENT names the field), the prompt is tokenized, a request
-   id assigned.
-2. Admission: at most --max-in-flight requests run and --max-queue wait (admission.py); beyond that, or after
-   --queue-timeout, RESOURCE_EXHAUSTED with a retry-after-ms hint. A decode worker with room reserves a slot
-   and KV budget; while none has room the request waits, within the same timeout.
-3. A prefill worker runs the prompt and pushes its KV to that decode worker; the first token comes back at once.
-   A worker that fails before then (dead, unreachable, queue full, damaged KV) is retried on another one, with
-   backoff and jitter, within the deadline (failover.run_with_failover).
-4. Tokens stream from decode; each batch is detokenized incrementally and checked against stop strings. If the
-   decode worker dies mid-stream, the stream migrates: the tokens sent join the prompt, another decode worker
-   reserves, a prefill worker re-prefills, and the stream continues with no token repeated or missing.
-5. The last message carries finish_reason, usage and timing. A client cancel, disconnect or deadline cancels
-   both worker calls, and each worker frees what it held.
-"""
+"""The gateway process: its gRPC edge (Generate and Cancel over the core, core.py), its HTTP edge (openai_api.py),
+the worker pools and their polls. Each edge only translates; what happens to a request is the core's."""
 
 from __future__ import annotations
 
@@ -22,45 +7,29 @@ import asyncio
 import contextlib
 import logging
 import sys
-import time
-from collections.abc import AsyncGenerator, Iterable, Mapping
-from typing import Any
 
 import grpc
-from opentelemetry import trace
-from opentelemetry.trace import SpanKind
 
-from gateway.admission import Admission, AdmissionConfig, Overloaded
 from gateway.auth import ApiKeys
 from gateway.config import GatewayConfig
-from gateway.detokenizer import TextStream
-from gateway.errors import GatewayError, InvalidRequest
-from gateway.failover import RetryPolicy, run_with_failover
-from gateway.journey import Timings
+from gateway.core import CANCEL_CALL, Gateway
+from gateway.errors import GatewayError
 from gateway.openai_api import (
     OpenAIServer,
 )
 from gateway.placement import Placement
 from gateway.request import (
-    MAX_REQUEST_ID_CHARS,
-    GenerateParams,
     Undecodable,
     lenient,
     max_prompt_chars,
-    parse_request,
 )
 from gateway.stalls import DEFAULT_CLIENT_STALL_TIMEOUT_S, ClientStalled, grpc_write, settled
 from gateway.tokenizer import Tokenizer, model_name, tokenizer_dir
-from gateway.workers import Colocation, PairBreakers, Pool, check_pairing
-from protos import gateway_pb2, gateway_pb2_grpc, worker_pb2
-from serving import logs, tracing
+from gateway.workers import Colocation, Pool, check_pairing
+from protos import gateway_pb2, gateway_pb2_grpc
 from serving import server as serving
-from serving.metrics import Metrics
 
 log = logging.getLogger(__name__)
-
-
-_CANCEL_CALL = "request was cancelled by a Cancel call"  # the message a Cancel call cancels a handler's task with
 
 
 class _CancelCall(Exception):
@@ -75,67 +44,14 @@ def _peer_host(peer: str) -> str:
     return peer
 
 
-def _given_id(request: gateway_pb2.GenerateRequest | Undecodable) -> str:
-    """The request id a client chose, if it is one parse_request accepts (it refuses the rest)."""
-    if isinstance(request, Undecodable):
-        return ""
-    rid = request.request_id
-    return rid if len(rid) <= MAX_REQUEST_ID_CHARS and rid.isprintable() else ""
-
-
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, tokenizer: Any, model: worker_pb2.ModelInfo, prefill: Pool, decode: Pool,
-                 colocation: Placement, retry: RetryPolicy, admission: AdmissionConfig,
-                 keys: ApiKeys | None = None,
-                 client_stall_timeout_s: float = DEFAULT_CLIENT_STALL_TIMEOUT_S) -> None:
-        self.tokenizer = tokenizer
+    """The gRPC edge: Generate and Cancel over the gateway's core."""
+
+    def __init__(self, gateway: Gateway, client_stall_timeout_s: float = DEFAULT_CLIENT_STALL_TIMEOUT_S) -> None:
+        self.gateway = gateway
         self.client_stall_timeout_s = client_stall_timeout_s
-        self.keys = keys or ApiKeys()
-        self.model = model
-        self.eos_token_ids = frozenset(model.eos_token_ids)
-        self.prefill = prefill
-        self.decode = decode
-        self.colocation = colocation
-        self.retry = retry
-        self.admission = Admission(admission)
-        self.pairs = PairBreakers()
-        # Request ids are scoped to their tenant (auth.ApiKeys.tenant): keys are (tenant, request id).
-        self._in_flight: set[tuple[str, str]] = set()
-        self._live = 0  # requests in _handle: queued, tokenizing or running
-        self._tasks: dict[tuple[str, str], asyncio.Task | None] = {}  # -> its Generate handler, for Cancel
-        self._cancelled: set[tuple[str, str]] = set()  # ids that Cancel ended
         # Generate handlers inside context.write -> whether a Cancel is waiting for that write to finish
         self._writing: dict[asyncio.Task, bool] = {}
-        self._refusals = logs.SampledLog(log, "RESOURCE_EXHAUSTED")
-        self.metrics = Metrics(
-            gauges={"pdserve_live_requests": ("requests in flight at the gateway, queued ones included",
-                                              lambda: self._live),
-                    "pdserve_queued_requests": ("requests waiting for a place", lambda: self.admission.queued),
-                    "pdserve_serving_prefill_workers": ("prefill workers routed to: SERVING at their last health poll",
-                                                        lambda: sum(w.serving for w in self.prefill.workers)),
-                    "pdserve_serving_decode_workers": ("decode workers routed to: SERVING at their last health poll",
-                                                       lambda: sum(w.serving for w in self.decode.workers)),
-                    "pdserve_prefix_index_bytes": ("memory of the prefix index kept to route prompts by prefix "
-                                                   "(bounded: 200,000 block names per prefill worker)",
-                                                   lambda: self.prefill.prefixes.nbytes)},
-            counters={"pdserve_requests": "requests accepted (valid and not a duplicate id)",
-                      "pdserve_cancellations": "requests the client cancelled, left or let expire",
-                      "pdserve_retries": "attempts retried on another worker before the first token",
-                      "pdserve_migrations": "streams moved to another decode worker mid-stream",
-                      "pdserve_rejections": "requests refused for capacity (RESOURCE_EXHAUSTED)",
-                      "pdserve_paused_refusals": "refusals answered after a pause, their client refused more than "
-                      "--instant-refusals-per-client times in a second",
-                      "pdserve_client_stalls": "requests cut because their client read nothing for "
-                                               "--client-stall-timeout",
-                      "pdserve_prompt_tokens": "prompt tokens of finished requests",
-                      "pdserve_generation_tokens": "tokens streamed to clients",
-                      "pdserve_placements": "finished requests by where their prompt ran (prefill or colocated)"},
-            histograms={"pdserve_time_to_first_token_seconds": "request arrival to its first token",
-                        "pdserve_inter_token_latency_seconds": "gap between two tokens of a stream",
-                        "pdserve_e2e_request_latency_seconds": "request arrival to its last token",
-                        "pdserve_queue_time_seconds": "time waiting for a place at the gateway",
-                        "pdserve_placement_ttft_error_ratio": "a placed attempt's TTFT over the TTFT predicted for it "
-                                                              "(1: exact)"})
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         # Writes with context.write rather than as an async generator, so that a Cancel call never interrupts a
@@ -144,8 +60,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # handler writing is deferred until the write is done (self._writing); anywhere else it cancels the task
         # at once and _handle turns that into a CANCELLED status.
         metadata = context.invocation_metadata()
-        if not self.keys.allows(metadata):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, self.keys.refusal)
+        if not self.gateway.keys.allows(metadata):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, self.gateway.keys.refusal)
         remaining = context.time_remaining()
         deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
         task = asyncio.current_task()
@@ -153,7 +69,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         peer = _peer_host(context.peer())
         stalled: list[asyncio.Future[None]] = []  # the write a stall left pending: any status must wait for it
         try:
-            responses = self.stream(request, deadline, metadata, peer=peer)
+            responses = self.gateway.stream(request, deadline, metadata, peer=peer)
             async with contextlib.aclosing(responses):
                 async for response in responses:
                     self._writing[task] = False
@@ -169,22 +85,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             hint = (("retry-after-ms", str(exc.retry_after_ms)),) if exc.retry_after_ms else ()
             await context.abort(exc.code, exc.message, trailing_metadata=hint)
         except ClientStalled as exc:  # the stream above is closed: its place and worker calls are freed already
-            self.metrics.count("pdserve_client_stalls")
+            self.gateway.metrics.count("pdserve_client_stalls")
             log.warning("%s (%s)", exc, context.peer())
             # The stalled write is left pending (cancelled, gRPC core would refuse any status after it), so the
             # status follows once the client reads again; if it never does, the call stays open until its
             # connection ends (keepalive closes a peer that answers no ping), holding one response and one of
             # grpc's --max-concurrent-rpcs. Until then it counts against its client's --max-in-flight-per-client,
             # so that one client cannot pile up such calls past its share.
-            with self.admission.holding(self.keys.tenant(metadata) or peer):
+            with self.gateway.admission.holding(self.gateway.keys.tenant(metadata) or peer):
                 if not await settled(stalled):
                     return
             await context.abort(grpc.StatusCode.CANCELLED, str(exc))
         except _CancelCall:  # the stream above is closed (and counted): its worker calls are cancelled
-            log.info("ended with CANCELLED: %s, once its write was done", _CANCEL_CALL)
+            log.info("ended with CANCELLED: %s, once its write was done", CANCEL_CALL)
             if not await settled(stalled):
                 return
-            await context.abort(grpc.StatusCode.CANCELLED, _CANCEL_CALL)
+            await context.abort(grpc.StatusCode.CANCELLED, CANCEL_CALL)
         except asyncio.CancelledError:
             # Only the client's own cancel, disconnect or deadline (grpc.aio cancels this task for them) may leave
             # the handler with CancelledError: that client is gone. Any other cancel still owes it a status.
@@ -195,218 +111,25 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 return
             await context.abort(grpc.StatusCode.UNAVAILABLE, "a worker call was cancelled under the request")
 
-    async def stream(
-        self, request: gateway_pb2.GenerateRequest, deadline: float | None,
-        metadata: Iterable[tuple[str, str | bytes]] | Mapping[str, str] | None = None, peer: str = "",
-    ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
-        """One request's responses, whatever the transport (gRPC here, HTTP in openai_api.py): traced, counted
-        and logged the same way. Ends with GatewayError when the request is refused or fails; cancelling the
-        caller's task cancels it on every worker. `deadline` is on the event loop's clock; `metadata` may carry
-        the client's `traceparent`. `peer`: the client's address, its identity for admission when the gateway has
-        no API keys."""
-        # a client's traceparent is honoured: this span joins its trace
-        with tracing.tracer.start_as_current_span(
-            "gateway", context=tracing.incoming(metadata), kind=SpanKind.SERVER,
-        ) as span:
-            generated = 0
-            arrived = last = time.perf_counter()
-            finished = cancelled = False
-            try:
-                # aclosing: closed early (a stop string, a deferred Cancel), the journey's calls end now, not at GC
-                tenant = self.keys.tenant(metadata)
-                handle = self._handle(request, deadline, arrived, tenant, tenant or peer)
-                async with contextlib.aclosing(handle) as responses:
-                    async for response in responses:
-                        now = time.perf_counter()
-                        tokens = len(response.token_ids)
-                        if not generated:
-                            span.add_event("first token")
-                            self.metrics.observe("pdserve_time_to_first_token_seconds", now - arrived)
-                            if tokens > 1:  # tokens that came with the first one: no gap after it
-                                self.metrics.observe("pdserve_inter_token_latency_seconds", 0.0, tokens - 1)
-                        elif tokens:  # tokens that arrive together share the gap
-                            self.metrics.observe("pdserve_inter_token_latency_seconds", (now - last) / tokens, tokens)
-                        last = now
-                        generated += tokens
-                        self.metrics.count("pdserve_generation_tokens", tokens)
-                        if response.finish_reason:
-                            finished = True
-                            self._finished(response, now - arrived, generated)
-                        yield response
-            except asyncio.CancelledError:
-                cancelled = True
-                _record_cancel(span, generated)
-                raise
-            except GeneratorExit:  # closed before its end: the client left mid-write, or a Cancel waited for one
-                cancelled = not finished
-                if cancelled:  # the same trace event and log line as a cancel between two writes
-                    _record_cancel(span, generated)
-                raise
-            except GatewayError as exc:
-                cancelled = exc.code == grpc.StatusCode.CANCELLED  # by a Cancel call
-                span.set_status(trace.Status(trace.StatusCode.ERROR, f"{exc.code.name}: {exc.message}"))
-                if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    self._refusals.log(exc.message)
-                else:
-                    log.info("ended with %s: %s", exc.code.name, exc.message)
-                raise
-            finally:
-                span.set_attribute("pdserve.output_tokens", generated)
-                if cancelled:  # counted here, once, whichever way the transport saw it end
-                    self.metrics.count("pdserve_cancellations")
-
-    def _finished(self, response: gateway_pb2.GenerateResponse, seconds: float, generated: int) -> None:
-        usage, timing = response.usage, response.timing
-        self.metrics.observe("pdserve_e2e_request_latency_seconds", seconds)
-        self.metrics.count("pdserve_prompt_tokens", usage.prompt_tokens)
-        span = trace.get_current_span()
-        span.add_event("finish", {"pdserve.finish_reason": response.finish_reason})
-        span.set_attributes({"pdserve.prompt_tokens": usage.prompt_tokens, "pdserve.retries": timing.retries,
-                             "pdserve.migrations": timing.migrations, "pdserve.kv_transport": timing.kv_transport,
-                             "pdserve.kv_bytes": timing.kv_bytes})
-        self.metrics.count("pdserve_placements", placement=timing.placement)
-        if timing.predicted_ttft_ms and timing.placed_ttft_ms:
-            self.metrics.observe("pdserve_placement_ttft_error_ratio", timing.placed_ttft_ms / timing.predicted_ttft_ms,
-                                 placement=timing.placement)
-        log.info("finished (%s): %d prompt + %d tokens, TTFT %.0f ms, total %.0f ms, %d retries, %d migrations; "
-                 "placed: %s", response.finish_reason, usage.prompt_tokens, generated, timing.ttft_ms,
-                 timing.total_ms, timing.retries, timing.migrations, timing.placement_reason)
-
-    async def _handle(
-        self, request: gateway_pb2.GenerateRequest, deadline: float | None, arrived: float, tenant: str, client: str
-    ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
-        # Admitted before any work: a request waits for its client's share of the places (admission.py) before it
-        # is tokenized, so a flood of prompts costs the tokenizer no more than the places it was given.
-        owned = self._claim(tenant, _given_id(request))  # a queued request with its own id can be cancelled
-        self._live += 1
-        timings = Timings()
-        try:
-            queued = time.perf_counter()
-            async with self.admission.slot(deadline, client):
-                admitted = time.perf_counter()
-                self.metrics.observe("pdserve_queue_time_seconds", admitted - queued)
-                tracing.record("gateway.queue", None, queued, admitted, {"pdserve.in_flight": self.admission.running})
-                try:
-                    params = await parse_request(request, self.tokenizer, self.model.vocab_size,
-                                                 self.model.max_model_len, tenant=tenant, deadline=deadline)
-                except InvalidRequest as exc:
-                    raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-                params = self.colocation.with_defaults(params)
-                trace.get_current_span().set_attribute("pdserve.request_id", params.request_id)
-                logs.for_request(params.request_id)
-                owned = owned or self._claim(tenant, params.request_id)
-                self.metrics.count("pdserve_requests")
-                # aclosing: if a cancel lands mid-write, the journey's worker calls are cancelled now, not at GC
-                async with contextlib.aclosing(self._generate(params, arrived, deadline, timings)) as responses:
-                    async for response in responses:
-                        yield response
-        except Overloaded as exc:
-            self.metrics.count("pdserve_rejections")
-            if exc.paused:
-                self.metrics.count("pdserve_paused_refusals")
-            raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc),
-                               retry_after_ms=self.admission.retry_after_ms) from None
-        except GatewayError as exc:
-            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # no room, or predicted late: refused for load
-                self.metrics.count("pdserve_rejections")
-                exc.retry_after_ms = exc.retry_after_ms or self.admission.retry_after_ms
-            raise
-        except asyncio.CancelledError:
-            if owned in self._cancelled:  # Cancel, not the client: the client gets a status
-                asyncio.current_task().uncancel()  # type: ignore[union-attr]
-                raise GatewayError(grpc.StatusCode.CANCELLED,
-                                   f"request {owned[1]!r} was cancelled by a Cancel call") from None  # type: ignore[index]
-            raise
-        finally:
-            self._live -= 1
-            if owned is not None:
-                self._in_flight.discard(owned)
-                self._tasks.pop(owned, None)
-                self._cancelled.discard(owned)
-            self.metrics.count("pdserve_retries", timings.retries)
-            self.metrics.count("pdserve_migrations", timings.migrations)
-
-    def _claim(self, tenant: str, request_id: str) -> tuple[str, str] | None:
-        """Register the calling task as `request_id`'s (for Cancel); ALREADY_EXISTS if the tenant runs that id."""
-        if not request_id:
-            return None
-        owned = tenant, request_id
-        if owned in self._in_flight:
-            raise GatewayError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is in flight")
-        self._in_flight.add(owned)
-        self._tasks[owned] = asyncio.current_task()
-        return owned
-
     async def Cancel(
         self, request: gateway_pb2.CancelRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.CancelResponse:
-        if not self.keys.allows(context.invocation_metadata()):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, self.keys.refusal)
+        keys = self.gateway.keys
+        if not keys.allows(context.invocation_metadata()):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, keys.refusal)
         if isinstance(request, Undecodable):  # see register(); Generate's are refused by parse_request
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
-        # Only the caller's own requests: another tenant's id looks exactly like one that does not exist.
-        owned = self.keys.tenant(context.invocation_metadata()), request.request_id
-        task = self._tasks.get(owned)
-        if task is None or task.done() or owned in self._cancelled:
-            return gateway_pb2.CancelResponse(cancelled=False)
-        self._cancelled.add(owned)
-        if task in self._writing:  # never mid-write (see Generate): the handler ends the request once it is done
+        cancelled = self.gateway.cancel(keys.tenant(context.invocation_metadata()), request.request_id, self._defer)
+        return gateway_pb2.CancelResponse(cancelled=cancelled)
+
+    def _defer(self, task: asyncio.Task) -> bool:
+        """Never mid-write (see Generate): a handler inside a write ends the request once the write is done."""
+        if task in self._writing:
             self._writing[task] = True
-        else:  # unwinds the journey exactly as a client cancel does: both worker calls are cancelled
-            task.cancel(_CANCEL_CALL)
-        return gateway_pb2.CancelResponse(cancelled=True)
-
-    async def _generate(
-        self, params: GenerateParams, arrived: float, deadline: float | None, timings: Timings
-    ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
-        text_stream = TextStream(self.tokenizer, params.prompt_ids, params.stop)
-        generated = 0
-        first_at = 0.0
-        finish = ""
-        # aclosing: a stop string ends the loop early, and the journey must cancel its worker calls right then
-        journey_ = run_with_failover(params, self.prefill, self.decode, timings, deadline, self.colocation,
-                                             self.retry, self.pairs, self.eos_token_ids)
-        async with contextlib.aclosing(journey_) as pieces:
-            async for tokens in pieces:
-                generated += len(tokens.token_ids)
-                text, token_ids, stopped = text_stream.add(tokens.token_ids, last=bool(tokens.finish_reason))
-                finish = "stop" if stopped else tokens.finish_reason
-                if not (text or token_ids or finish):
-                    continue  # all held back: half a character, or what may begin a stop string
-                response = gateway_pb2.GenerateResponse(request_id=params.request_id, token_ids=token_ids, text=text)
-                first_at = first_at or time.perf_counter()
-                if finish:
-                    response.finish_reason = finish
-                    response.usage.CopyFrom(gateway_pb2.Usage(prompt_tokens=len(params.prompt_ids),
-                                                              completion_tokens=text_stream.consumed,
-                                                              cached_tokens=timings.cached_tokens))
-                    response.timing.CopyFrom(_timing(timings, arrived, first_at, generated))
-                yield response
-                if finish:
-                    return
-        raise GatewayError(grpc.StatusCode.INTERNAL, "workers ended the stream without a finish reason")
-
-
-def _record_cancel(span: trace.Span, generated: int) -> None:
-    """A request its client cancelled or left: where it was, on its span and in the log."""
-    phase = "decoding" if generated else "before first token"
-    span.add_event("cancelled", {"pdserve.phase": phase, "pdserve.tokens_sent": generated})
-    log.info("cancelled %s, after %d tokens", phase, generated)
-
-
-def _timing(timings: Timings, arrived: float, first_at: float, generated: int) -> gateway_pb2.Timing:
-    now = time.perf_counter()
-    decode_s = now - first_at
-    return gateway_pb2.Timing(
-        ttft_ms=(first_at - arrived) * 1e3, reserve_ms=timings.reserve_ms, prefill_queue_ms=timings.prefill_queue_ms,
-        prefill_ms=timings.prefill_ms, kv_exposed_ms=timings.kv_exposed_ms, kv_transfer_ms=timings.kv_transfer_ms,
-        kv_bytes=timings.kv_bytes, kv_transport=timings.kv_transport, retries=timings.retries,
-        migrations=timings.migrations, placement=timings.placement, placement_reason=timings.placement_reason,
-        predicted_ttft_ms=(timings.predicted_ttft_s or 0.0) * 1e3, placed_ttft_ms=(timings.attempt_ttft_s or 0.0) * 1e3,
-        decode_tokens_per_s=(generated - 1) / decode_s if generated > 1 and decode_s else 0,
-        total_ms=(now - arrived) * 1e3)
+            return True
+        return False
 
 
 async def serve(config: GatewayConfig) -> None:
@@ -420,11 +143,12 @@ async def serve(config: GatewayConfig) -> None:
     model = check_pairing(prefill, decode)
     tokenizer = await asyncio.to_thread(Tokenizer.from_dir, tokenizer_dir(config.model))
     max_prompt_chars(tokenizer, model.max_model_len)  # its vocabulary scan holds the GIL ~20 ms: now, not in a request
-    servicer = GatewayServicer(tokenizer, model, prefill, decode,
-                               Placement(config.placement, Colocation(config.colocate_below, config.colocate_queued),
-                                         config.target_ttft_ms, config.target_tpot_ms), config.retry,
-                               config.admission, ApiKeys.load(config.api_key_file), config.client_stall_timeout_s)
-    http = OpenAIServer(servicer, config.served_model_name or model_name(config.model), config.http_body_timeout_s,
+    gateway = Gateway(tokenizer, model, prefill, decode,
+                      Placement(config.placement, Colocation(config.colocate_below, config.colocate_queued),
+                                config.target_ttft_ms, config.target_tpot_ms), config.retry,
+                      config.admission, ApiKeys.load(config.api_key_file))
+    servicer = GatewayServicer(gateway, config.client_stall_timeout_s)
+    http = OpenAIServer(gateway, config.served_model_name or model_name(config.model), config.http_body_timeout_s,
                         config.http_deadline_s, config.client_stall_timeout_s, config.max_http_connections)
     announce = {}
     if config.http_port >= 0:
@@ -454,4 +178,4 @@ async def serve(config: GatewayConfig) -> None:
         await prefill.close()
         await decode.close()
 
-    await serving.serve("gateway", config.server, register, shutdown, servicer.metrics, announce)
+    await serving.serve("gateway", config.server, register, shutdown, gateway.metrics, announce)

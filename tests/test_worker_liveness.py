@@ -22,6 +22,7 @@ import pytest
 
 from gateway import journey
 from gateway.admission import AdmissionConfig
+from gateway.core import Gateway
 from gateway.errors import GatewayError, NoDecodeCapacity
 from gateway.failover import RetryPolicy, run_with_failover
 from gateway.journey import Timings, Tokens
@@ -349,8 +350,8 @@ async def _gateway(cluster: Cluster, model_dir: Path, decode_names: list[str] | 
     decode = Pool("decode", decode_names or [service.address for service in cluster.decode],
                   resolver=resolver or resolve)
     await asyncio.gather(prefill.fetch_info(30), decode.fetch_info(30))
-    servicer = GatewayServicer(tokenizer, check_pairing(prefill, decode), prefill, decode,
-                               Placement("threshold", Colocation()), RetryPolicy(), AdmissionConfig())
+    servicer = GatewayServicer(Gateway(tokenizer, check_pairing(prefill, decode), prefill, decode,
+                                       Placement("threshold", Colocation()), RetryPolicy(), AdmissionConfig()))
     polls = [asyncio.ensure_future(pool.poll(0.1, resolve_every_s=1e9)) for pool in (prefill, decode)]
     server = grpc.aio.server(options=server_options)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
@@ -423,14 +424,14 @@ def test_a_cancel_landing_while_the_gateway_waits_to_write_to_a_slow_client_stil
 
                 async def decode_idle() -> bool:
                     infos[:] = [await w.stub.GetInfo(worker_pb2.WorkerInfoRequest(), timeout=5)
-                                for w in servicer.decode.workers]
+                                for w in servicer.gateway.decode.workers]
                     return all(i.live_sequences == 0 and i.live_reservations == 0 for i in infos)
 
                 deadline = time.monotonic() + 30
                 while not await decode_idle():
                     assert time.monotonic() < deadline, f"decode still busy: {infos}"
                     await asyncio.sleep(0.05)
-                assert ("", "slow") in servicer._in_flight  # (tenant, request id); no API keys: one tenant
+                assert ("", "slow") in servicer.gateway._in_flight  # (tenant, request id); no API keys: one tenant
                 # 2. Cancel lands there.
                 cancelled = await gateway_pb2_grpc.GatewayStub(other).Cancel(
                     gateway_pb2.CancelRequest(request_id="slow"), timeout=10)
@@ -442,7 +443,7 @@ def test_a_cancel_landing_while_the_gateway_waits_to_write_to_a_slow_client_stil
                         assert response is not grpc.aio.EOF and not response.finish_reason
                 assert ended.value.code() == grpc.StatusCode.CANCELLED
                 assert "Cancel call" in (ended.value.details() or "")
-                await _until(lambda: not servicer._in_flight, "the gateway to let the request go", 5)
+                await _until(lambda: not servicer.gateway._in_flight, "the gateway to let the request go", 5)
         assert_nothing_held(workers)
 
     asyncio.run(scenario())
@@ -509,7 +510,7 @@ def test_a_cancel_never_interrupts_a_write_and_ends_the_request_once_the_write_i
                 await asyncio.wait_for(handler, 10)
             assert context.writes == ["done", "done"]
             assert context.status == (grpc.StatusCode.CANCELLED, "request was cancelled by a Cancel call")
-            assert not servicer._in_flight and not servicer._tasks and not servicer._writing
+            assert not servicer.gateway._in_flight and not servicer.gateway._tasks and not servicer._writing
             assert cancellations(servicer) == 1
             # the client's own cancel mid-write (grpc.aio cancels the handler): no status owed, counted once too
             context = _WriteGate()
@@ -519,12 +520,12 @@ def test_a_cancel_never_interrupts_a_write_and_ends_the_request_once_the_write_i
             with pytest.raises(asyncio.CancelledError):
                 await asyncio.wait_for(handler, 10)
             assert context.writes == ["done", "interrupted"] and context.status is None
-            assert not servicer._in_flight and not servicer._tasks and not servicer._writing
+            assert not servicer.gateway._in_flight and not servicer.gateway._tasks and not servicer._writing
             assert cancellations(servicer) == 2
         assert_nothing_held(workers)
 
     def cancellations(servicer: GatewayServicer) -> float:
-        value = servicer.metrics.registry.get_sample_value("pdserve_cancellations_total")
+        value = servicer.gateway.metrics.registry.get_sample_value("pdserve_cancellations_total")
         assert value is not None
         return value
 
@@ -538,7 +539,7 @@ def test_a_decode_worker_leaving_dns_finishes_its_streams_and_one_rolled_away_ha
         answers = {"decode-0.test": ["127.0.0.1"], "decode-1.test": ["127.0.0.1"]}
         names = [f"decode-{i}.test:{service.address.rsplit(':', 1)[1]}" for i, service in enumerate(workers.decode)]
         async with _gateway(workers, tiny_model_dir, names, lambda host, port: answers[host]) as (servicer, address):
-            decode = servicer.decode
+            decode = servicer.gateway.decode
             requests = _requests(4, temperature=0.9)  # the random tiny model's greedy answer repeats one token
             expected = [(await _run(address, fields)).token_ids for fields in requests]  # one at a time
 
