@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
+from engine.settings import WorkerSettings
 from kv_wire.layout import MAX_CHUNK_BYTES
-from model_runner.loading import ModelConfig, add_model_args, model_config
-from serving.server import MAX_MESSAGE_BYTES, ServerConfig, add_server_args, server_config
-from serving.settings import add_settings, check_settings, read_settings, setting
+from model_runner.loading import ModelConfig
+from serving.server import MAX_MESSAGE_BYTES, ServerConfig
+from serving.settings import check_settings, setting
 
 DEFAULT_KV_BUDGET_MB = 2048  # the paged KV cache: 64 sequences of ~700 tokens of the default model in fp32
 
 
 @dataclass(frozen=True)
-class DecodeConfig:
+class DecodeConfig(WorkerSettings):
     server: ServerConfig
     model: ModelConfig
     max_seqs: int = setting(64, "sequences decoded at once", low=1)
@@ -66,13 +66,3 @@ class DecodeConfig:
         if self.kv_port > 0 and self.kv_port == self.server.port:
             raise ValueError(f"--kv-port {self.kv_port}: expected -1 (the main port), 0 (a free one) or a port "
                              "other than --port")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> DecodeConfig:
-        return read_settings(cls, args, server=server_config(args), model=model_config(args))
-
-    @staticmethod
-    def add_args(parser: argparse.ArgumentParser) -> None:
-        add_server_args(parser)
-        add_model_args(parser)
-        add_settings(parser.add_argument_group("decode"), DecodeConfig)

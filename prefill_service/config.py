@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
+from engine.settings import WorkerSettings
 from kv_wire.layout import DEFAULT_CHUNK_BYTES, LOSSY_WIRE_DTYPES
-from model_runner.loading import ModelConfig, add_model_args, model_config
+from model_runner.loading import ModelConfig
 from serving.server import (
     MAX_MESSAGE_BYTES,
     ServerConfig,
-    add_server_args,
-    server_config,
 )
-from serving.settings import add_settings, check_settings, read_settings, setting
+from serving.settings import check_settings, setting
 
 
 @dataclass(frozen=True)
-class PrefillConfig:
+class PrefillConfig(WorkerSettings):
     server: ServerConfig
     model: ModelConfig
     chunk_bytes: int = setting(DEFAULT_CHUNK_BYTES, "KV bytes per transfer message", above=0,
@@ -46,13 +44,3 @@ class PrefillConfig:
         if self.wire_dtype and self.model.dtype != "float32":
             raise ValueError(f"--wire-dtype {self.wire_dtype!r}: only {' or '.join(LOSSY_WIRE_DTYPES)}, "
                              "and only for a float32 model")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> PrefillConfig:
-        return read_settings(cls, args, server=server_config(args), model=model_config(args))
-
-    @staticmethod
-    def add_args(parser: argparse.ArgumentParser) -> None:
-        add_server_args(parser)
-        add_model_args(parser)
-        add_settings(parser.add_argument_group("prefill"), PrefillConfig)

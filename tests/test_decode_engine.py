@@ -76,6 +76,22 @@ def test_colocated_prompts_batched_or_chunked_decode_as_they_do_alone(runner: Lo
     assert engine.live_sequences == 0
 
 
+def _a_prompt_beside_a_stream(engine: EngineCore, runner: LoadedModel,
+                              sampling: SamplingParams) -> tuple[EngineStream, EngineStream]:
+    """A stream runs; at its second token, on the engine thread, a 40-token prompt arrives for colocated prefill,
+    whose passes start right after that step. Both run to their end."""
+    colocated: list[EngineStream] = []
+    engine.start()
+    try:
+        running = EngineStream(engine, runner, PROMPTS[0], sampling, "running", at={2: lambda: colocated.append(
+            EngineStream(engine, runner, PROMPTS[1], sampling, "colocated", colocated=True))})
+        running.wait_for()
+        colocated[0].wait_for()
+    finally:
+        engine.close()
+    return running, colocated[0]
+
+
 # The pass budget: tight in ms, roomy, and roomy in ms but a millionth of a decode step (`pass_steps`).
 @pytest.mark.parametrize(("pass_s", "pass_steps"), [(1e-9, 0.0), (60.0, 0.0), (60.0, 1e-6)],
                          ids=["tight", "roomy", "tight-in-steps"])
@@ -97,15 +113,7 @@ def test_a_colocated_pass_pauses_between_layers_for_decode_steps_and_every_strea
     monkeypatch.setattr(prompts_module, "prefill_pass", counting_pass)
     # 1. A stream runs; at its second token, on the engine thread, a 40-token prompt arrives for colocated prefill,
     #    whose one pass (30 layers) starts right after that step.
-    colocated: list[EngineStream] = []
-    engine.start()
-    try:
-        running = EngineStream(engine, runner, PROMPTS[0], sampling, "running", at={2: lambda: colocated.append(
-            EngineStream(engine, runner, PROMPTS[1], sampling, "colocated", colocated=True))})
-        running.wait_for()
-        colocated[0].wait_for()
-    finally:
-        engine.close()
+    running, colocated = _a_prompt_beside_a_stream(engine, runner, sampling)
     # 2. Tight: a decode step at each layer boundary, until the running stream's last 10 tokens were out, all
     #    before the prompt's first token. Roomy: the pass runs whole.
     tight = pass_s < 1 or pass_steps > 0
@@ -113,7 +121,7 @@ def test_a_colocated_pass_pauses_between_layers_for_decode_steps_and_every_strea
     # the budget in steps is that share of the steps' mean (under a second each here), the ms otherwise
     assert (0 < engine.pass_budget_s() < pass_steps) if pass_steps else engine.pass_budget_s() == pass_s
     # 3. Both decode as they do alone, and nothing is held
-    assert [running.tokens, colocated[0].tokens] == expected
+    assert [running.tokens, colocated.tokens] == expected
     assert engine.live_sequences == 0
 
 
@@ -179,17 +187,9 @@ def test_a_prompt_backlog_runs_its_chunks_back_to_back_within_the_budget_and_dec
         return forward.prefill_pass(runner, prompts, cache)  # type: ignore[arg-type]
 
     monkeypatch.setattr(prompts_module, "prefill_pass", counting_pass)
-    colocated: list[EngineStream] = []
-    engine.start()
-    try:
-        running = EngineStream(engine, runner, PROMPTS[0], sampling, "running", at={2: lambda: colocated.append(
-            EngineStream(engine, runner, PROMPTS[1], sampling, "colocated", colocated=True))})
-        running.wait_for()
-        colocated[0].wait_for()
-    finally:
-        engine.close()
+    running, colocated = _a_prompt_beside_a_stream(engine, runner, sampling)
     assert len(steps_before_pass) == 5 and len(set(steps_before_pass)) == 1  # no decode step between the chunks
-    assert [running.tokens, colocated[0].tokens] == expected
+    assert [running.tokens, colocated.tokens] == expected
     assert engine.live_sequences == 0
 
 
