@@ -50,6 +50,7 @@ from typing import Any
 import aiohttp
 import grpc
 
+from bench.protowire import field, varint, varint_field
 from bench.report import add_output_args, publish
 from bench.scenarios import percentile
 from model_runner.loading import resolve_model
@@ -430,25 +431,6 @@ async def grpc_cancel_empty_id(load: Load, rng: random.Random) -> str:
     return await load.unary_cancel("")
 
 
-def _varints(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        out.append((value & 0x7F) | (0x80 if value > 0x7F else 0))
-        value >>= 7
-        if not value:
-            return bytes(out)
-
-
-def _field(number: int, wire_type: int, payload: bytes) -> bytes:
-    """One protobuf field, hand-encoded (wire type 0: `payload` is the varint; 2: length-delimited): what a
-    client built from another .proto, or from none, may send."""
-    return _varints(number << 3 | wire_type) + (_varints(len(payload)) + payload if wire_type == 2 else payload)
-
-
-def _varint_field(number: int, value: int) -> bytes:
-    return _field(number, 0, _varints(value))
-
-
 Fields = Callable[[Facts], dict[str, Any]]
 _BIG = 1 << 32
 _OK = frozenset({"OK"})
@@ -484,9 +466,9 @@ GRPC_FIELDS: list[tuple[str, frozenset[str], Fields]] = [
 # Bytes no pdserve client would send: invalid UTF-8 in a string field, an unknown field, a repeated scalar
 # (proto3: the last wins), and bytes that are no protobuf at all.
 GRPC_BYTES: list[tuple[str, frozenset[str], bytes]] = [
-    ("grpc_invalid_utf8", INVALID, _field(1, 2, b"caf\xc3(\xff") + _varint_field(3, 4)),
-    ("grpc_unknown_field", _OK, _field(2, 2, _varints(42)) + _varint_field(3, 2) + _field(99, 2, b"extra")),
-    ("grpc_repeated_scalar", _OK, _field(2, 2, _varints(42)) + _varint_field(3, 999) + _varint_field(3, 2)),
+    ("grpc_invalid_utf8", INVALID, field(1, 2, b"caf\xc3(\xff") + varint_field(3, 4)),
+    ("grpc_unknown_field", _OK, field(2, 2, varint(42)) + varint_field(3, 2) + field(99, 2, b"extra")),
+    ("grpc_repeated_scalar", _OK, field(2, 2, varint(42)) + varint_field(3, 999) + varint_field(3, 2)),
     ("grpc_not_protobuf", INVALID, b"\xff\xff\xff\xff\x0f"),
 ]
 # HTTP: bodies that are not JSON, not an object, or abuse JSON (the bool: the chat route).

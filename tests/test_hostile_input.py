@@ -27,6 +27,7 @@ import grpc
 import pytest
 from transformers import AutoTokenizer
 
+from bench.protowire import field, varint_field
 from gateway.openai_api import MAX_BODY_BYTES
 from gateway.request import MAX_MESSAGES, InvalidRequest, max_prompt_chars, parse_request
 from pdserve.cluster import Cluster
@@ -266,20 +267,8 @@ def _wire(**fields: bytes | int) -> bytes:
     out = b""
     for name, value in fields.items():
         number = numbers[name.rstrip("_")]
-        if isinstance(value, int):
-            out += _varint(number << 3) + _varint(value)
-        else:
-            out += _varint(number << 3 | 2) + _varint(len(value)) + value
+        out += varint_field(number, value) if isinstance(value, int) else field(number, 2, value)
     return out
-
-
-def _varint(value: int) -> bytes:
-    out = b""
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out += bytes([byte | (0x80 if value else 0)])
-        if not value:
-            return out
 
 
 # --- the corpus ----------------------------------------------------------------------------------------------------
