@@ -179,3 +179,31 @@ def test_no_manifest_carries_a_default_secret() -> None:
         defaults = re.findall(r"\$\{(\w+):?-[^}]*\}", path.read_text())  # ${NAME:-default}, comments included
         assert not [name for name in defaults if SECRET_NAME.search(name)], f"{path.name}: a secret's default"
     assert not [r for r in _resources() if r["kind"] == "Secret"]  # created by the user (deploy/README.md)
+
+
+def test_the_image_s_early_layer_holds_every_module_model_loading_imports(tmp_path: Path) -> None:
+    """The Dockerfile converts the model and builds the kernels from a few files copied before the rest (so that
+    a code change does not redo them): those files alone must import model_runner.loading."""
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    early = dockerfile[:dockerfile.index("RUN python -c \"from model_runner.loading import resolve_model")]
+    root = DEPLOY.parent
+    for line in early.splitlines():
+        words = line.split()
+        if words[:1] != ["COPY"] or words[1].startswith("--") or words[1] == "pyproject.toml":
+            continue
+        *sources, target = words[1:]
+        for source in sources:
+            path = root / source
+            destination = tmp_path / target / (path.name if path.is_file() else "")
+            if path.is_dir():
+                subprocess.run(["cp", "-r", str(path), str(destination)], check=True)
+            else:
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                destination.write_bytes(path.read_bytes())
+    # only what was copied: without the editable install's finder, which would find the rest of the checkout
+    probe = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'Editable' not in "
+             "getattr(f, '__name__', type(f).__name__)]; import model_runner.loading")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(tmp_path),
+                                                                           "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr[-2000:]
