@@ -9,6 +9,7 @@ Every measurement is the best of `--repeats`, measured side by side in one run, 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -39,7 +40,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
-    runner = ModelConfig(model=args.model, threads=args.threads).load()
+    # PDSERVE_PROMPT_GEMM picks the prompt GEMMs measured, as it does a worker's (its --prompt-gemm)
+    runner = ModelConfig(model=args.model, threads=args.threads,
+                         prompt_gemm=os.environ.get("PDSERVE_PROMPT_GEMM", "auto")).load()
     vocab = runner.spec.vocab_size
     generator = torch.Generator().manual_seed(0)
 

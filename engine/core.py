@@ -207,8 +207,10 @@ class EngineCore:
                 self._decode_step()
                 self.prompts.run_next_pass()
                 # A backlog: passes back to back, each pausing at a layer boundary for a step once the budget since
-                # the last one is spent (_between_layers), so short chunks fill the budget too.
-                while self._busy and self.prompts and not self._stopping:
+                # the last one is spent (_between_layers), so short chunks fill the budget too. Without layered
+                # prefill (prompt_pass_s 0) nothing would pause them: passes then alternate with steps as usual.
+                while self._busy and self.prompts.between_layers is not None and self.prompts and not self._stopping:
+                    self._busy_since = time.perf_counter()  # each pass is an iteration for the stall watchdog
                     self.prompts.run_next_pass()
             except Exception:  # each stage fails its own requests; this guard keeps the thread serving the rest
                 log.exception("engine iteration failed")

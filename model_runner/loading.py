@@ -207,8 +207,7 @@ class ModelConfig:
     def load(self) -> LoadedModel:
         if self.threads:
             torch.set_num_threads(self.threads)
-        if self.prompt_gemm != "auto":  # auto leaves PDSERVE_PROMPT_GEMM, which a service reads as this setting
-            gemm.choose_prompt_gemm(self.prompt_gemm)
+        gemm.choose_prompt_gemm(self.prompt_gemm)  # a service reads PDSERVE_PROMPT_GEMM as this setting
         return load_model(resolve_model(self.model), self.dtype, self.device, self.max_model_len, self.runner)
 
 

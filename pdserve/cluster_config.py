@@ -3,6 +3,7 @@ starts the processes, so that the CLI builds its flags from them without loading
 
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass
 
@@ -15,7 +16,7 @@ def _ports(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(port) for port in text.split(",") if port.strip())
     except ValueError:
-        raise ValueError(f"{text!r}: expected comma-separated port numbers") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated port numbers") from None
 
 
 @dataclass(frozen=True)

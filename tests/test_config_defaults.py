@@ -203,3 +203,21 @@ def test_pdserve_cluster_passes_its_config_file_to_every_service(tmp_path: Path)
     config = ClusterConfig(config_file=str(tmp_path / "pdserve.toml"))
     for role in ("gateway", "prefill", "decode"):
         assert f"--config={tmp_path / 'pdserve.toml'}" in role_args(config, role)
+
+
+def test_a_worker_s_prompt_gemm_flag_wins_over_the_environment_auto_included(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from model_runner import gemm
+
+    monkeypatch.setenv("PDSERVE_PROMPT_GEMM", "fp32")
+    config = parse_config("python -m prefill_service", None, PrefillConfig,
+                          ["--model", str(tiny_model_dir), "--prompt-gemm", "auto"])
+    assert config.model.prompt_gemm == "auto"
+    try:
+        config.model.load()
+        assert gemm.prompt_gemm() != "fp32"
+        assert parse_config("python -m prefill_service", None, PrefillConfig,
+                            ["--model", str(tiny_model_dir)]).model.prompt_gemm == "fp32"  # the variable alone
+    finally:
+        monkeypatch.undo()
+        gemm.prompt_gemm.cache_clear()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -181,14 +182,18 @@ def test_a_prompt_backlog_runs_its_chunks_back_to_back_within_the_budget_and_dec
     engine = EngineCore(runner, kv_blocks=64, chunk_tokens=8, prompt_pass_s=60.0, busy_pass_steps=1.0,
                         busy_backlog_s=-1.0, on_step=lambda seconds, size: steps.__setitem__(0, steps[0] + 1))
     steps_before_pass: list[int] = []
+    starts: list[tuple[float, float]] = []  # (when a pass began, how long the watchdog saw the engine in it then)
 
     def counting_pass(runner: LoadedModel, prompts: list[list[int]], cache: object) -> torch.Tensor:
         steps_before_pass.append(steps[0])
+        starts.append((time.perf_counter(), engine.stalled()))
         return forward.prefill_pass(runner, prompts, cache)  # type: ignore[arg-type]
 
     monkeypatch.setattr(prompts_module, "prefill_pass", counting_pass)
     running, colocated = _a_prompt_beside_a_stream(engine, runner, sampling)
     assert len(steps_before_pass) == 5 and len(set(steps_before_pass)) == 1  # no decode step between the chunks
+    # each pass back to back counts as an iteration of its own for the stall watchdog, never the backlog's sum
+    assert all(stalled < began - before for (before, _), (began, stalled) in zip(starts, starts[1:]))
     assert [running.tokens, colocated.tokens] == expected
     assert engine.live_sequences == 0
 
