@@ -210,14 +210,14 @@ def test_a_worker_s_prompt_gemm_flag_wins_over_the_environment_auto_included(
     from model_runner import gemm
 
     monkeypatch.setenv("PDSERVE_PROMPT_GEMM", "fp32")
+    assert parse_config("python -m prefill_service", None, PrefillConfig,
+                        ["--model", str(tiny_model_dir)]).model.prompt_gemm == "fp32"  # the variable alone
     config = parse_config("python -m prefill_service", None, PrefillConfig,
                           ["--model", str(tiny_model_dir), "--prompt-gemm", "auto"])
     assert config.model.prompt_gemm == "auto"
     try:
-        config.model.load()
+        config.model.load()  # the flag, not the variable, decides where its prompt GEMMs run
         assert gemm.prompt_gemm() != "fp32"
-        assert parse_config("python -m prefill_service", None, PrefillConfig,
-                            ["--model", str(tiny_model_dir)]).model.prompt_gemm == "fp32"  # the variable alone
     finally:
         monkeypatch.undo()
         gemm.prompt_gemm.cache_clear()
