@@ -57,10 +57,15 @@ class Kernel:
     def build_directory(self) -> Path:
         from torch.utils import cpp_extension  # imports setuptools: only when a build is wanted
 
-        # the headers too: ninja would rebuild on a header change, but the folder is named for what it holds
+        # the headers too: ninja would rebuild on a header change, but the folder is named for what it holds. And
+        # where the source and torch live: torch's build file names both (the source, torch's include paths), so
+        # two checkouts or environments sharing one folder would each make ninja compile the other's build again
+        # (minutes at -O3, every process that loads the kernel meanwhile waiting on the build lock)
         headers = [h.read_bytes() for h in sorted(CSRC.glob("*.h"))]
         flags = " ".join(self.cflags + LDFLAGS).encode()
-        hashed = hashlib.sha256(b"\0".join([self.source.read_bytes(), *headers, flags, torch.__version__.encode()]))
+        where = f"{self.source.resolve()}\0{Path(torch.__file__).resolve().parent}".encode()
+        hashed = hashlib.sha256(b"\0".join([self.source.read_bytes(), *headers, flags, torch.__version__.encode(),
+                                             where]))
         digest = hashed.hexdigest()[:12]
         root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
         python = f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
