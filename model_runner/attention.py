@@ -21,9 +21,7 @@ from model_runner import kernels
 
 log = logging.getLogger(__name__)
 
-KERNEL = kernels.Kernel("paged_attention.cpp", "paged attention kernel", "the torch reference")
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-_MODES = ("auto", "torch", "avx512", "avx2", "portable")
+KERNEL = kernels.Kernel("paged_attention.cpp", "paged attention kernel", "the torch reference", "PDSERVE_ATTENTION")
 
 
 def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -35,11 +33,10 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     length are padding, arbitrary); context_lens: int32 (B,), tokens each sequence attends to (its current token's
     K/V is already written in the cache). Hq is a multiple of Hkv (GQA: q head h uses kv head h // (Hq // Hkv)).
     Returns (B, Hq, D) in q's dtype. A sequence of length 0 gets zeros."""
-    mode = _mode()
-    if mode != "torch" and q.device.type == "cpu" and q.dtype in _KERNEL_DTYPES:
-        if KERNEL.load():
-            return torch.ops.pdserve_attention.paged_decode_attention(
-                q, key_cache, value_cache, block_tables, context_lens, scale, mode)
+    mode = KERNEL.serves(q.device.type, q.dtype)
+    if mode is not None:
+        return torch.ops.pdserve_attention.paged_decode_attention(
+            q, key_cache, value_cache, block_tables, context_lens, scale, mode)
     return reference_decode_attention(q, key_cache, value_cache, block_tables, context_lens, scale)
 
 
@@ -56,12 +53,12 @@ class DecodeOps(NamedTuple):
 
 
 def decode_ops(device: torch.device, dtype: torch.dtype) -> DecodeOps:
-    mode = _mode()
-    if mode != "torch" and device.type == "cpu" and dtype in _KERNEL_DTYPES and KERNEL.load():
+    mode = KERNEL.serves(device.type, dtype)
+    if mode is not None:
         ops = torch.ops.pdserve_attention
         return DecodeOps(attend=lambda *args: ops.paged_decode_attention(*args, mode),
                          rope_and_store=ops.rope_and_store, rms_norm=ops.rms_norm)
-    gpu = gpu_kernels() if mode != "torch" and device.type == "cuda" else None
+    gpu = gpu_kernels() if KERNEL.mode() != "torch" and device.type == "cuda" else None
     if gpu is not None:
         return DecodeOps(attend=gpu.paged_decode_attention, rope_and_store=gpu.rope_and_store, rms_norm=_rms_norm)
     return DecodeOps(attend=reference_decode_attention, rope_and_store=reference_rope_and_store, rms_norm=_rms_norm)
@@ -70,8 +67,8 @@ def decode_ops(device: torch.device, dtype: torch.dtype) -> DecodeOps:
 def decode_layers_op(device: torch.device, dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
     """A decode step's layers in one C++ call (`torch.ops.pdserve_attention.decode_layers`, the attention path
     bound) where decode_ops runs the C++ kernels; None elsewhere."""
-    mode = _mode()
-    if mode != "torch" and device.type == "cpu" and dtype in _KERNEL_DTYPES and KERNEL.load():
+    mode = KERNEL.serves(device.type, dtype)
+    if mode is not None:
         return functools.partial(torch.ops.pdserve_attention.decode_layers, attention_path=mode)
     return None
 
@@ -81,7 +78,7 @@ def store_prompt(kv: torch.Tensor, sources: list[torch.Tensor], blocks: list[int
     each layer's keys then values, (Hkv, length, D) in kv's dtype. On the CPU by the C++ op
     `torch.ops.pdserve_attention.store_prompt`, block by block (~3x torch's index_copy_ into the slots); False
     where it does not run (another device, no kernel, PDSERVE_ATTENTION=torch): the caller copies with torch."""
-    if _mode() == "torch" or kv.device.type != "cpu" or not KERNEL.load():
+    if KERNEL.serves(kv.device.type) is None:
         return False
     torch.ops.pdserve_attention.store_prompt(kv, [s.contiguous() for s in sources],
                                              torch.tensor(blocks, dtype=torch.long))
@@ -143,18 +140,14 @@ def load_kernel() -> bool:
 
 def kernel_available() -> bool:
     """Whether paged_decode_attention runs the C++ kernel for CPU tensors (building it if not built yet)."""
-    return _mode() != "torch" and KERNEL.load()
+    return KERNEL.serves() is not None
 
 
 def kernel_path(head_dim: int, dtype: torch.dtype) -> str:
     """Which code serves a CPU call: "avx512_bf16" (bfloat16 dot products), "avx512", "avx2", "portable" or
     "torch"."""
-    mode = _mode()
-    if mode == "torch" or dtype not in _KERNEL_DTYPES or not KERNEL.load():
+    mode = KERNEL.serves("cpu", dtype)
+    if mode is None:
         return "torch"
     path: str = torch.ops.pdserve_attention.path_for(head_dim, dtype == torch.bfloat16, mode)
     return path
-
-
-def _mode() -> str:
-    return kernels.mode("PDSERVE_ATTENTION", _MODES)

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from model_runner.loading import LoadedModel
-from model_runner.paged_cache import PagedHFCache, PagedKVCache, pieces_of
+from model_runner.paged_cache import PagedKVCache, pieces_of
 from model_runner.sampling import best_logits
 
 log = logging.getLogger(__name__)
@@ -85,20 +85,7 @@ def prefill_pass(runner: LoadedModel, prompts: list[list[int]], cache: DynamicCa
     input_ids = torch.zeros(len(prompts), longest, dtype=torch.long)
     for row, prompt in enumerate(prompts):
         input_ids[row, : len(prompt)] = torch.tensor(prompt)
-    lasts = [len(prompt) - 1 for prompt in prompts]
-    if runner.fast is not None:
-        return runner.fast.prefill(input_ids.to(runner.device), list(map(len, prompts)), start, cache)
-    keep = sorted(set(lasts))
-    out = runner.model(
-        input_ids=input_ids.to(runner.device),
-        position_ids=torch.arange(start, start + longest, device=runner.device)[None],
-        past_key_values=cache,
-        use_cache=True,
-        # every row's last position (one index when all prompts are as long as the longest)
-        logits_to_keep=1 if keep == [longest - 1] else torch.tensor(keep, device=runner.device),
-    )
-    rows = torch.arange(len(prompts))
-    return out.logits[rows, torch.tensor([keep.index(last) for last in lasts])]
+    return runner.runner.prefill(input_ids.to(runner.device), list(map(len, prompts)), start, cache)
 
 
 @torch.inference_mode()
@@ -107,9 +94,9 @@ def replay_pass(runner: LoadedModel, token_ids: list[int], cache: DynamicCache) 
     the last position's logits (vocab,). Where the fast runner replays, each row gets the bits the decode step
     that first read it computed (LlamaRunner.replay), so the continuation picks what an uninterrupted run would;
     elsewhere they run as a prompt's next chunk."""
-    if runner.fast is not None and runner.fast.replays:
+    if runner.runner.replays:
         ids = torch.tensor(token_ids, dtype=torch.long, device=runner.device)
-        return runner.fast.replay(ids, cache.get_seq_length(), cache)[0]
+        return runner.runner.replay(ids, cache.get_seq_length(), cache)[0]
     _warn_no_replay(runner.runner_name, runner.device.type)
     return prefill_pass(runner, [token_ids], cache)[0]
 
@@ -148,13 +135,7 @@ def decode_step(runner: LoadedModel, cache: PagedKVCache, input_ids: list[int], 
     """One token for each sequence: row i's blocks are tables[i] and its new token goes at positions[i] (the
     tokens it holds so far). Returns logits (B, vocab)."""
     batch = cache.decode_batch(tables, positions)
-    ids = torch.tensor(input_ids, dtype=torch.long, device=runner.device)
-    if runner.fast is not None:
-        return runner.fast.decode(ids, batch, cache.kv)
-    paged = PagedHFCache(cache, batch)
-    out = runner.model(input_ids=ids[:, None], position_ids=batch.positions[:, None], attention_mask=paged.mask(),
-                       past_key_values=paged, use_cache=True)
-    return out.logits[:, -1]
+    return runner.runner.step(torch.tensor(input_ids, dtype=torch.long, device=runner.device), batch, cache)
 
 
 def warm_up(runner: LoadedModel) -> None:

@@ -38,9 +38,7 @@ import torch.nn.functional as F
 from model_runner import host_memory, kernels
 
 # -ffp-contract=off: the portable loops round every product and sum where the source says, never fused.
-KERNEL = kernels.Kernel("tinygemm.cpp", "tinygemm kernel", "F.linear", cflags=("-ffp-contract=off",))
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-_MODES = ("auto", "torch", "avx512", "avx2", "portable")
+KERNEL = kernels.Kernel("tinygemm.cpp", "tinygemm kernel", "F.linear", "PDSERVE_GEMM", cflags=("-ffp-contract=off",))
 _POSTS = ("none", "silu", "mul", "add")
 BLOCK = 16  # outputs per block of the packed layout
 PROMPT_ROWS = 64  # rows in every oneDNN call of a prompt GEMM: a multiple of AMX's 16-row tiles
@@ -76,8 +74,8 @@ def pack(weight: torch.Tensor, arena: host_memory.Arena | None = None, few_promp
     `few_prompt_rows`: its prompt GEMMs take a row or two (the LM head): no float32 copy, which would only double
     what they read."""
     n, k = weight.shape
-    mode = _mode()
-    if not (mode != "torch" and weight.device.type == "cpu" and weight.dtype in _KERNEL_DTYPES and KERNEL.load()):
+    mode = KERNEL.serves(weight.device.type, weight.dtype)
+    if mode is None:
         return PackedWeight(weight, n, k, mode=None)
     blocks = -(-n // BLOCK)
     if weight.dtype == torch.bfloat16:
@@ -211,25 +209,26 @@ def _fp32_copy(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 PROMPT_GEMMS = ("auto", "kernel", "amx", "fp32")
+_chosen: list[str] = []  # a worker's --prompt-gemm (choose_prompt_gemm); none: PDSERVE_PROMPT_GEMM decides
 
 
-def choose_prompt_gemm(choice: str) -> None:
-    """Prompt GEMMs of weights packed from now on go where `choice` says (a worker's --prompt-gemm, which
-    PDSERVE_PROMPT_GEMM also sets), as far as the CPU allows (`prompt_gemm`)."""
-    if choice not in PROMPT_GEMMS:
-        raise ValueError(f"--prompt-gemm {choice!r}: expected one of {', '.join(PROMPT_GEMMS)}")
-    os.environ["PDSERVE_PROMPT_GEMM"] = choice
+def choose_prompt_gemm(choice: str | None) -> None:
+    """Prompt GEMMs of weights packed from now on go where `choice` (one of PROMPT_GEMMS: a worker's --prompt-gemm,
+    as ModelConfig checked it) says, as far as the CPU allows (`prompt_gemm`); None: where PDSERVE_PROMPT_GEMM
+    says, as in a process that loads no ModelConfig (a benchmark, a test)."""
+    _chosen[:] = [] if choice is None else [choice]
     prompt_gemm.cache_clear()
 
 
 @functools.cache
 def prompt_gemm() -> str:
     """Where prompt GEMMs of bfloat16 weights go: "amx" (oneDNN's AMX kernels), "fp32" (torch's float32 GEMM on a
-    float32 copy) or "kernel" (the kernel above), as PDSERVE_PROMPT_GEMM (auto: amx where the CPU has it, else
-    kernel; kernel; amx; fp32) and the CPU allow."""
-    asked = os.environ.get("PDSERVE_PROMPT_GEMM", "auto")
+    float32 copy) or "kernel" (the kernel above), as chosen (auto: amx where the CPU has it, else kernel) and as
+    the CPU allows."""
+    asked = _chosen[0] if _chosen else os.environ.get("PDSERVE_PROMPT_GEMM", "auto")
     if asked not in PROMPT_GEMMS:
-        raise ValueError(f"PDSERVE_PROMPT_GEMM={asked!r}: expected auto, kernel, amx or fp32")
+        raise ValueError(f"prompt GEMMs {asked!r} (--prompt-gemm, PDSERVE_PROMPT_GEMM): expected one of "
+                         f"{', '.join(PROMPT_GEMMS)}")
     if asked == "kernel" or not KERNEL.load():
         return "kernel"
     if asked in ("auto", "amx") and amx_prompts():
@@ -257,18 +256,15 @@ def load_kernel() -> bool:
 
 def kernel_available() -> bool:
     """Whether `pack` lays weights out for the C++ kernel now (building it if not built yet)."""
-    return _mode() != "torch" and KERNEL.load()
+    return KERNEL.serves() is not None
 
 
 def kernel_path(dtype: torch.dtype) -> str:
     """Which code serves CPU calls on weights packed now: "avx512_bf16" (bfloat16 dot products), "avx512",
     "avx2", "portable" or "torch"."""
-    mode = _mode()
-    if mode == "torch" or dtype not in _KERNEL_DTYPES or not KERNEL.load():
+    mode = KERNEL.serves("cpu", dtype)
+    if mode is None:
         return "torch"
     path: str = torch.ops.pdserve_gemm.path_for(dtype == torch.bfloat16, mode)
     return path
 
-
-def _mode() -> str:
-    return kernels.mode("PDSERVE_GEMM", _MODES)

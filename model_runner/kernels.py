@@ -32,15 +32,36 @@ CFLAGS = ["-O3", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 
 
-class Kernel:
-    """One source file's ops: `load()` builds them once per machine (or finds the build) and says if they run."""
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
-    def __init__(self, source: str, what: str, fallback: str, cflags: tuple[str, ...] = ()) -> None:
+
+class Kernel:
+    """One source file's ops: `load()` builds them once per machine (or finds the build) and says if they run;
+    `serves(device, dtype)` is the one dispatch every op makes: the code path its environment variable asks for
+    (`variable`, one of `modes`; "torch" turns the kernel off) where the kernel runs for that device and dtype,
+    else None, and the caller's torch fallback serves."""
+
+    def __init__(self, source: str, what: str, fallback: str, variable: str = "",
+                 modes: tuple[str, ...] = ("auto", "torch", "avx512", "avx2", "portable"),
+                 cflags: tuple[str, ...] = ()) -> None:
         self.source = CSRC / source
         self.cflags = CFLAGS + list(cflags)
         self.what, self.fallback = what, fallback  # for the one warning when it cannot be built
+        self.variable, self.modes = variable, modes
         self._lock = threading.Lock()
         self._state: bool | None = None  # None: not tried yet
+
+    def mode(self) -> str:
+        """The code path the kernel's variable asks for ("auto" when unset, or when it has none)."""
+        return mode(self.variable, self.modes) if self.variable else "auto"
+
+    def serves(self, device: str = "cpu", dtype: torch.dtype | None = None) -> str | None:
+        """The kernel's mode for a call on `device` in `dtype` (None: any), or None where torch serves it: another
+        device, a dtype the kernel lacks, the mode "torch", or a kernel that cannot be built."""
+        chosen = self.mode()
+        if chosen == "torch" or device != "cpu" or (dtype is not None and dtype not in KERNEL_DTYPES):
+            return None
+        return chosen if self.load() else None
 
     def load(self) -> bool:
         if self._state is None:

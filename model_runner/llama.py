@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,10 @@ class DecodeBatch:
 
 
 class LlamaRunner:
+    """The fast runner, behind the runner protocol (loading.Runner)."""
+
+    name = "fast"
+
     def __init__(self, config: Any, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, max_model_len: int) -> None:
         self.dtype, self.device = dtype, device
@@ -197,8 +202,8 @@ class LlamaRunner:
         mask = None
         if start:
             mask = torch.ones(width, start + width, dtype=torch.bool, device=self.device).tril(start)
-        for index, layer in enumerate(self.layers):
-            qkv = layer.qkv(ops.rms_norm(x, layer.input_norm, self.eps), prompt=True)
+
+        def attend(index: int, qkv: torch.Tensor) -> torch.Tensor:
             if fresh is not None:
                 q = self._rope_rows(ops, qkv, cos, sin, fresh).view(batch, width, self.num_heads, -1).transpose(1, 2)
                 k, v = (rows[0].view(batch, width, self.num_kv_heads, -1).transpose(1, 2) for rows in fresh)
@@ -209,9 +214,9 @@ class LlamaRunner:
                 v = qkv.view(batch, width, -1)[..., self.q_size + self.kv_size :].view(
                     batch, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
             keys, values = cache.update(k.contiguous(), v.contiguous(), index)
-            attention = self._prompt_attention(q, keys, values, lengths, start, mask).view(tokens, -1)
-            x = layer.o.plus(attention, x, prompt=True)
-            x = self._mlp(ops, layer, x, prompt=True)
+            return self._prompt_attention(q, keys, values, lengths, start, mask).view(tokens, -1)
+
+        x = self._layers(ops, x, attend, prompt=True)
         rows = torch.tensor([row * width + length - 1 for row, length in enumerate(lengths)], device=self.device)
         return self.lm_head(ops.rms_norm(x[rows], self.norm, self.eps), prompt=True)
 
@@ -239,15 +244,15 @@ class LlamaRunner:
         # the whole cache as one block of a paged cache: row i reads positions 0..start+i
         tables = torch.zeros(width, 1, dtype=torch.int32, device=self.device)
         lengths = (positions + 1).to(torch.int32)
-        x = F.embedding(input_ids, self.embed)  # (T, H)
-        for index, layer in enumerate(self.layers):
-            qkv = layer.qkv(ops.rms_norm(x, layer.input_norm, self.eps))
+
+        def attend(index: int, qkv: torch.Tensor) -> torch.Tensor:
             q = self._rope_rows(ops, qkv, cos, sin, fresh)
             keys, values = cache.update(fresh[0, 0].transpose(0, 1)[None], fresh[1, 0].transpose(0, 1)[None], index)
             # (1, Hkv, start + T, D) -> (1 block, start + T tokens, Hkv, D), strided
-            attn = ops.attend(q, keys[0].transpose(0, 1)[None], values[0].transpose(0, 1)[None], tables, lengths,
-                              self.scale)
-            x = self._mlp(ops, layer, layer.o.plus(attn.view(width, self.q_size), x))
+            return ops.attend(q, keys[0].transpose(0, 1)[None], values[0].transpose(0, 1)[None], tables, lengths,
+                              self.scale).view(width, self.q_size)
+
+        x = self._layers(ops, F.embedding(input_ids, self.embed), attend)  # (T, H)
         return self.lm_head(ops.rms_norm(x[-1:], self.norm, self.eps))
 
     # Decode: one token per sequence over the paged cache.
@@ -258,6 +263,10 @@ class LlamaRunner:
         if self.graphs is not None and batch.meta is not None:
             return self.graphs(input_ids, batch.meta, kv)
         return self._decode(input_ids, batch, kv)
+
+    def step(self, input_ids: torch.Tensor, batch: DecodeBatch, cache: Any) -> torch.Tensor:
+        """`decode` over a paged_cache.PagedKVCache (the runner protocol's step)."""
+        return self.decode(input_ids, batch, cache.kv)
 
     def _decode(self, input_ids: torch.Tensor, batch: DecodeBatch, kv: torch.Tensor) -> torch.Tensor:
         ops = decode_ops(self.device, self.dtype)
@@ -270,13 +279,15 @@ class LlamaRunner:
             x = layers(x, cos, sin, kv, batch.slots, batch.block_tables, batch.context_lens, tensors, biases,
                        out_features, self.eps, self.scale, self.num_heads, self.num_kv_heads, gemm_path)
             return self.lm_head(ops.rms_norm(x, self.norm, self.eps))
-        for index, layer in enumerate(self.layers):
-            qkv = layer.qkv(ops.rms_norm(x, layer.input_norm, self.eps))
+
+        def attend(index: int, qkv: torch.Tensor) -> torch.Tensor:
             key_cache, value_cache = kv[index, 0], kv[index, 1]
             q = ops.rope_and_store(qkv, cos, sin, key_cache, value_cache, batch.slots, self.num_heads,
                                    self.num_kv_heads)
             attn = ops.attend(q, key_cache, value_cache, batch.block_tables, batch.context_lens, self.scale)
-            x = self._mlp(ops, layer, layer.o.plus(attn.view(x.shape[0], self.q_size), x))
+            return attn.view(qkv.shape[0], self.q_size)
+
+        x = self._layers(ops, x, attend)
         return self.lm_head(ops.rms_norm(x, self.norm, self.eps))
 
     def _prompt_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: list[int],
@@ -307,10 +318,18 @@ class LlamaRunner:
             out[row, :length] = one[0].transpose(0, 1).reshape(length, -1)
         return out
 
-    def _mlp(self, ops: DecodeOps, layer: Layer, x: torch.Tensor, prompt: bool = False) -> torch.Tensor:
-        """A layer's second half, residual included: every pass's, so a replayed row gets a decode step's bits."""
-        h = ops.rms_norm(x, layer.post_norm, self.eps)
-        return layer.down.plus(layer.up.times(h, layer.gate.silu(h, prompt), prompt), x, prompt)
+    def _layers(self, ops: DecodeOps, x: torch.Tensor, attend: Callable[[int, torch.Tensor], torch.Tensor],
+                prompt: bool = False) -> torch.Tensor:
+        """The decoder layers over rows x (R, H), written once for every pass: each pass brings its own attention,
+        `attend(layer index, qkv (R, ...))` -> (R, Hq * D), which places its rows' keys and values where that pass
+        keeps them. The rest is every pass's, so a replayed row gets a decode step's bits. `prompt`: the GEMMs take
+        a prompt's path (gemm.linear)."""
+        for index, layer in enumerate(self.layers):
+            qkv = layer.qkv(ops.rms_norm(x, layer.input_norm, self.eps), prompt=prompt)
+            x = layer.o.plus(attend(index, qkv), x, prompt=prompt)
+            h = ops.rms_norm(x, layer.post_norm, self.eps)
+            x = layer.down.plus(layer.up.times(h, layer.gate.silu(h, prompt), prompt), x, prompt)
+        return x
 
     def _fresh_rows(self, rows: int) -> torch.Tensor:
         """Scratch for _rope_rows: `rows` rows' keys and values, (2, 1 block, rows, Hkv, D)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -14,7 +15,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -107,10 +108,30 @@ def fingerprint(model_dir: Path, dtype: str) -> str:
 RUNNERS = ("auto", "fast", "hf")
 
 
+class Runner(Protocol):
+    """What a runner does for the forward passes (forward.py): the fast Llama-family runner (llama.LlamaRunner, on
+    the CPU and on CUDA) and the reference runner (reference.ReferenceRunner, the Hugging Face modules)."""
+
+    name: str  # "fast" or "hf"
+    replays: bool  # whether `replay` gives a decoded row the bits its decode step computed
+
+    def prefill(self, input_ids: torch.Tensor, lengths: list[int], start: int, cache: Any) -> torch.Tensor:
+        """input_ids (B, T): prompts of `lengths` tokens, right-padded, at positions start..start+T-1, over a Hugging
+        Face-style `cache` (forward.WatchedCache); each prompt's last position's logits (B, vocab)."""
+
+    def replay(self, input_ids: torch.Tensor, start: int, cache: Any) -> torch.Tensor:
+        """input_ids (T,): decoded tokens after the `start` positions `cache` holds; the last logits (1, vocab)."""
+
+    def step(self, input_ids: torch.Tensor, batch: Any, cache: Any) -> torch.Tensor:
+        """One decode step: input_ids (B,) over the paged cache (paged_cache.PagedKVCache) as `batch`
+        (llama.DecodeBatch) lays it out; logits (B, vocab)."""
+
+
 @dataclass
 class LoadedModel:
     """The model a worker runs: the fast Llama-family runner (model_runner/llama.py) or the reference runner (the
-    Hugging Face modules, `model`); exactly one of `fast` and `model` is set."""
+    Hugging Face modules, `model`); exactly one of `fast` and `model` is set, and `runner` is it behind the
+    runner protocol."""
 
     model: Any  # a transformers PreTrainedModel (causal LM), or None
     spec: ModelSpec
@@ -121,9 +142,17 @@ class LoadedModel:
     def dtype(self) -> torch.dtype:
         return DTYPES[self.spec.dtype]
 
+    @functools.cached_property
+    def runner(self) -> Runner:
+        if self.fast is not None:
+            return cast(Runner, self.fast)
+        from model_runner.reference import ReferenceRunner
+
+        return ReferenceRunner(self.model, self.device)
+
     @property
     def runner_name(self) -> str:
-        return "hf" if self.fast is None else "fast"
+        return self.runner.name
 
 
 def load_model(model_dir: Path, dtype: str = "bfloat16", device: str = "cpu", max_model_len: int = 0,
@@ -207,7 +236,7 @@ class ModelConfig:
     def load(self) -> LoadedModel:
         if self.threads:
             torch.set_num_threads(self.threads)
-        gemm.choose_prompt_gemm(self.prompt_gemm)  # a service reads PDSERVE_PROMPT_GEMM as this setting
+        gemm.choose_prompt_gemm(self.prompt_gemm)  # the setting (its flag, or PDSERVE_PROMPT_GEMM) decides
         return load_model(resolve_model(self.model), self.dtype, self.device, self.max_model_len, self.runner)
 
 

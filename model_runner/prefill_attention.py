@@ -23,10 +23,7 @@ from model_runner import kernels
 
 # No FMA contraction: a row's arithmetic must not depend on which inlined copy of the code computed it.
 KERNEL = kernels.Kernel("prefill_attention.cpp", "prefill attention kernel", "torch SDPA",
-                        cflags=("-ffp-contract=off",))
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-_MODES = ("auto", "torch", "avx512", "avx2", "portable")
-_ENV = "PDSERVE_PREFILL_ATTENTION"
+                        "PDSERVE_PREFILL_ATTENTION", cflags=("-ffp-contract=off",))
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -35,7 +32,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     uses kv head h // (Hq // Hkv)). Query t sits at position start + t and attends keys 0..start + t. Returns
     (Hq, T, D) in q's dtype; from the kernel that is a transposed view of a contiguous (T, Hq, D) tensor, so
     `out.transpose(0, 1).reshape(T, Hq * D)` copies nothing."""
-    mode = _mode()
+    mode = KERNEL.mode()
     if q.device.type == "cpu" and scale > 0 and kernel_path(q.shape[-1], q.dtype) != "torch":
         out: torch.Tensor = torch.ops.pdserve_prefill.causal_attention(q, k, v, scale, start, mode)
         return out
@@ -62,8 +59,8 @@ def load_kernel() -> bool:
 def kernel_path(head_dim: int, dtype: torch.dtype) -> str:
     """Which code serves a CPU call: "avx512_bf16" (bfloat16 dot products), "avx512", "avx2" (float32 8-lane
     vectors), "portable" (only when asked for: scalar loops, far slower than SDPA) or "torch"."""
-    mode = _mode()
-    if mode == "torch" or dtype not in _KERNEL_DTYPES or not KERNEL.load():
+    mode = KERNEL.serves("cpu", dtype)
+    if mode is None:
         return "torch"
     return _path_for(head_dim, dtype == torch.bfloat16, mode)
 
@@ -74,6 +71,3 @@ def _path_for(head_dim: int, bf16: bool, mode: str) -> str:
     # Where this CPU or head dim has no vector path, SDPA (vectorised for any x86 CPU) beats the scalar loops
     return "torch" if path == "portable" and mode != "portable" else path
 
-
-def _mode() -> str:
-    return kernels.mode(_ENV, _MODES)

@@ -18,16 +18,15 @@ _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads consecutive position
 # to every token more than ~1e-3 behind the best one, and dividing by a denormal overflows to inf.
 SAMPLING_EPS = 1e-5
 
-KERNEL = kernels.Kernel("greedy.cpp", "greedy kernel", "torch's argmax")
-_MODES = ("auto", "torch", "avx512", "portable")
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+KERNEL = kernels.Kernel("greedy.cpp", "greedy kernel", "torch's argmax", "PDSERVE_GREEDY",
+                        modes=("auto", "torch", "avx512", "portable"))
 
 
 def best_logits(logits: torch.Tensor) -> tuple[list[float], list[int]]:
     """Each row's largest logit of logits (rows, vocab), NaN where the row holds one, and the first index that
     holds it: a greedy row's token where that value is finite. On a GPU in one copy back for the whole batch."""
-    mode = kernels.mode("PDSERVE_GREEDY", _MODES)
-    if logits.device.type == "cpu" and logits.dtype in _KERNEL_DTYPES and mode != "torch" and KERNEL.load():
+    mode = KERNEL.serves(logits.device.type, logits.dtype)
+    if mode is not None:
         values, indices = torch.ops.pdserve_greedy.best(logits, mode)
         return values.tolist(), indices.tolist()
     rows = logits.float()
@@ -38,8 +37,8 @@ def best_logits(logits: torch.Tensor) -> tuple[list[float], list[int]]:
 
 def kernel_path() -> str:
     """Which code picks greedy rows on the CPU now: "avx512", "portable" or "torch"."""
-    mode = kernels.mode("PDSERVE_GREEDY", _MODES)
-    if mode == "torch" or not KERNEL.load():
+    mode = KERNEL.serves()
+    if mode is None:
         return "torch"
     path: str = torch.ops.pdserve_greedy.path_for(mode)
     return path

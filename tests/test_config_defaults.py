@@ -219,5 +219,4 @@ def test_a_worker_s_prompt_gemm_flag_wins_over_the_environment_auto_included(
         config.model.load()  # the flag, not the variable, decides where its prompt GEMMs run
         assert gemm.prompt_gemm() != "fp32"
     finally:
-        monkeypatch.undo()
-        gemm.prompt_gemm.cache_clear()
+        gemm.choose_prompt_gemm(None)

@@ -227,17 +227,17 @@ def test_rounds_to_nearest_even(path: str) -> None:
 
 
 @pytest.fixture(params=["amx", "fp32"])
-def prompt_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Each path prompt GEMMs of bfloat16 weights can take besides the kernel (PDSERVE_PROMPT_GEMM), where the CPU
+def prompt_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each path prompt GEMMs of bfloat16 weights can take besides the kernel (--prompt-gemm), where the CPU
     has it: float32 everywhere, AMX on CPUs with AMX."""
     if request.param == "amx" and not gemm.amx_prompts():
         pytest.skip("prompt GEMMs go to oneDNN's AMX kernels only on CPUs with AMX")
-    monkeypatch.setenv("PDSERVE_PROMPT_GEMM", request.param)
-    gemm.prompt_gemm.cache_clear()
-    assert gemm.prompt_gemm() == request.param
-    yield request.param
-    monkeypatch.undo()
-    gemm.prompt_gemm.cache_clear()
+    gemm.choose_prompt_gemm(request.param)
+    try:
+        assert gemm.prompt_gemm() == request.param
+        yield request.param
+    finally:
+        gemm.choose_prompt_gemm(None)
 
 
 @pytest.mark.parametrize("post", ["none", "silu", "mul", "add"])
