@@ -1,9 +1,9 @@
 """The gateway's core: one request from its arrival to its last token, whatever the transport (gRPC or HTTP).
 
 Life of a request here:
-1. A request arrives (gRPC Generate, or HTTP translated into one). Admission first, before any work: at most
-   --max-in-flight requests run and --max-queue wait, each client within its own share (admission.py); beyond
-   that, or after --queue-timeout, RESOURCE_EXHAUSTED with a retry-after-ms hint.
+1. A request arrives as a GenerateInput (messages.py: each edge translates its own wire format into it). Admission
+   first, before any work: at most --max-in-flight requests run and --max-queue wait, each client within its own
+   share (admission.py); beyond that, or after --queue-timeout, RESOURCE_EXHAUSTED with a retry-after-ms hint.
 2. Its fields are checked (INVALID_ARGUMENT names the field), the prompt tokenized, a request id assigned, and
    its prompt placed (placement.py). A decode worker with room reserves a slot and KV budget; while none has
    room the request waits, within the same timeout.
@@ -36,10 +36,11 @@ from gateway.detokenizer import TextStream
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.failover import RetryPolicy, run_with_failover
 from gateway.journey import Timings
+from gateway.messages import Delta, GenerateInput, Timing, Usage
 from gateway.placement import Placement
 from gateway.request import MAX_REQUEST_ID_CHARS, GenerateParams, Undecodable, parse_request
 from gateway.workers import PairBreakers, Pool
-from protos import gateway_pb2, worker_pb2
+from protos import worker_pb2
 from serving import logs, tracing
 from serving.metrics import Metrics
 
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 CANCEL_CALL = "request was cancelled by a Cancel call"  # the message a Cancel call cancels a handler's task with
 
 
-def _given_id(request: gateway_pb2.GenerateRequest | Undecodable) -> str:
+def _given_id(request: GenerateInput | Undecodable) -> str:
     """The request id a client chose, if it is one parse_request accepts (it refuses the rest)."""
     if isinstance(request, Undecodable):
         return ""
@@ -111,14 +112,14 @@ class Gateway:
                                                               "(1: exact)"})
 
     async def stream(
-        self, request: gateway_pb2.GenerateRequest, deadline: float | None,
+        self, request: GenerateInput | Undecodable, deadline: float | None,
         metadata: Iterable[tuple[str, str | bytes]] | Mapping[str, str] | None = None, peer: str = "",
-    ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
-        """One request's responses, whatever the transport (gRPC here, HTTP in openai_api.py): traced, counted
-        and logged the same way. Ends with GatewayError when the request is refused or fails; cancelling the
-        caller's task cancels it on every worker. `deadline` is on the event loop's clock; `metadata` may carry
-        the client's `traceparent`. `peer`: the client's address, its identity for admission when the gateway has
-        no API keys."""
+    ) -> AsyncGenerator[Delta, None]:
+        """One request's answer, piece by piece, whatever the edge (gRPC in server.py, HTTP in openai_api.py):
+        traced, counted and logged the same way. Ends with GatewayError when the request is refused or fails;
+        cancelling the caller's task cancels it on every worker. `deadline` is on the event loop's clock;
+        `metadata` may carry the client's `traceparent`. `peer`: the client's address, its identity for admission
+        when the gateway has no API keys."""
         # a client's traceparent is honoured: this span joins its trace
         with tracing.tracer.start_as_current_span(
             "gateway", context=tracing.incoming(metadata), kind=SpanKind.SERVER,
@@ -170,8 +171,9 @@ class Gateway:
                 if cancelled:  # counted here, once, whichever way the transport saw it end
                     self.metrics.count("pdserve_cancellations")
 
-    def _finished(self, response: gateway_pb2.GenerateResponse, seconds: float, generated: int) -> None:
+    def _finished(self, response: Delta, seconds: float, generated: int) -> None:
         usage, timing = response.usage, response.timing
+        assert usage is not None and timing is not None  # the last piece carries both
         self.metrics.observe("pdserve_e2e_request_latency_seconds", seconds)
         self.metrics.count("pdserve_prompt_tokens", usage.prompt_tokens)
         span = trace.get_current_span()
@@ -188,8 +190,8 @@ class Gateway:
                  timing.total_ms, timing.retries, timing.migrations, timing.placement_reason)
 
     async def _handle(
-        self, request: gateway_pb2.GenerateRequest, deadline: float | None, arrived: float, tenant: str, client: str
-    ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
+        self, request: GenerateInput | Undecodable, deadline: float | None, arrived: float, tenant: str, client: str
+    ) -> AsyncGenerator[Delta, None]:
         # Admitted before any work: a request waits for its client's share of the places (admission.py) before it
         # is tokenized, so a flood of prompts costs the tokenizer no more than the places it was given.
         owned = self._claim(tenant, _given_id(request))  # a queued request with its own id can be cancelled
@@ -268,7 +270,7 @@ class Gateway:
 
     async def _generate(
         self, params: GenerateParams, arrived: float, deadline: float | None, timings: Timings
-    ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
+    ) -> AsyncGenerator[Delta, None]:
         text_stream = TextStream(self.tokenizer, params.prompt_ids, params.stop)
         generated = 0
         first_at = 0.0
@@ -283,17 +285,13 @@ class Gateway:
                 finish = "stop" if stopped else tokens.finish_reason
                 if not (text or token_ids or finish):
                     continue  # all held back: half a character, or what may begin a stop string
-                response = gateway_pb2.GenerateResponse(request_id=params.request_id, token_ids=token_ids, text=text)
                 first_at = first_at or time.perf_counter()
                 if finish:
-                    response.finish_reason = finish
-                    response.usage.CopyFrom(gateway_pb2.Usage(prompt_tokens=len(params.prompt_ids),
-                                                              completion_tokens=text_stream.consumed,
-                                                              cached_tokens=timings.cached_tokens))
-                    response.timing.CopyFrom(_timing(timings, arrived, first_at, generated))
-                yield response
-                if finish:
+                    yield Delta(params.request_id, token_ids, text, finish,
+                                Usage(len(params.prompt_ids), text_stream.consumed, timings.cached_tokens),
+                                _timing(timings, arrived, first_at, generated))
                     return
+                yield Delta(params.request_id, token_ids, text)
         raise GatewayError(grpc.StatusCode.INTERNAL, "workers ended the stream without a finish reason")
 
 
@@ -304,10 +302,10 @@ def _record_cancel(span: trace.Span, generated: int) -> None:
     log.info("cancelled %s, after %d tokens", phase, generated)
 
 
-def _timing(timings: Timings, arrived: float, first_at: float, generated: int) -> gateway_pb2.Timing:
+def _timing(timings: Timings, arrived: float, first_at: float, generated: int) -> Timing:
     now = time.perf_counter()
     decode_s = now - first_at
-    return gateway_pb2.Timing(
+    return Timing(
         ttft_ms=(first_at - arrived) * 1e3, reserve_ms=timings.reserve_ms, prefill_queue_ms=timings.prefill_queue_ms,
         prefill_ms=timings.prefill_ms, kv_exposed_ms=timings.kv_exposed_ms, kv_transfer_ms=timings.kv_transfer_ms,
         kv_bytes=timings.kv_bytes, kv_transport=timings.kv_transport, retries=timings.retries,

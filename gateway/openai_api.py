@@ -2,8 +2,8 @@
 
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (the gateway builds the prompt
 with the tokenizer's chat template, as for a gRPC request with `messages`), streaming as server-sent events
-(`data: {...}` frames, then `data: [DONE]`) or not. Each request becomes a GenerateRequest and runs through
-`GatewayServicer.stream`, exactly as a gRPC request does: the same validation, admission, retries, tracing and
+(`data: {...}` frames, then `data: [DONE]`) or not. Each request becomes a GenerateInput (messages.py) and runs
+through `Gateway.stream` (core.py), exactly as a gRPC request does: the same validation, admission, retries, tracing and
 metrics. Failures are OpenAI error objects with the HTTP status a client expects: 400 for a bad parameter
 (named in `param`), 401 for a bad API key, 404 for an unknown model, 429 with `Retry-After` when refused for
 load, 503 when no worker can serve. A client that disconnects cancels its request on every service, as leaving
@@ -31,22 +31,16 @@ from typing import Any, cast
 from aiohttp import web
 
 from gateway.core import Gateway
-from gateway.errors import HTTP_STATUS, GatewayError, InvalidRequest, error_body
+from gateway.errors import HTTP_STATUS, GatewayError, error_body
+from gateway.messages import Delta, Usage
 from gateway.openai_body import (
-    CHAT_FIELDS,
-    COMPLETION_FIELDS,
-    UNSUPPORTED,
     BadBody,
     BadParameter,
     parse_json,
-    parse_slo,
-    short,
+    read_body,
     unicode_param,
 )
-from gateway.request import MAX_MESSAGES, MAX_STOP_STRINGS, check_stop
 from gateway.stalls import DEFAULT_CLIENT_STALL_TIMEOUT_S, ClientStalled, sse_write
-from protos import gateway_pb2
-from protos.types import check_temperature
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +57,13 @@ MAX_BODIES_AT_ONCE = 16
 # place (--max-in-flight 64), room for every client's keep-alive pool. Past it a new connection gets 503.
 DEFAULT_MAX_CONNECTIONS = 512
 SEND_BUFFER_BYTES = 64 << 10  # the kernel doubles it: ~128 KB, a few hundred SSE events
+# Every SSE write is padded to at least this many bytes with an SSE comment (which clients skip, as the spec says).
+# Linux charges each small segment a whole buffer's overhead and, for a socket that never reads, grows its receive
+# buffer toward net.ipv4.tcp_rmem's maximum instead of closing the window: events of ~250 bytes at a decode pace
+# were taken for minutes, so a client that stopped reading was never seen to stall. Segments of 512 bytes and more
+# fill its default buffer and close the window after ~120 KB (docs/reliability.md, "What a server cannot see");
+# 1 KiB leaves room on other kernels, at a few kB/s more per stream.
+DEFAULT_SSE_MIN_WRITE_BYTES = 1024
 # Seconds the whole body may take to arrive once the headers have: a slowloris client trickling it holds a
 # connection, never more, and only this long. 1 MiB arrives in 30 s at 280 kbit/s.
 DEFAULT_BODY_TIMEOUT_S = 30.0
@@ -88,6 +89,14 @@ def _failed(exc: GatewayError) -> web.Response:
     status, body = _failure(exc)
     headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_ms / 1000)))} if status == 429 else None
     return web.json_response(body, status=status, headers=headers)
+
+
+def padded(event: bytes, least: int) -> bytes:
+    """An SSE event, followed by a comment (":" and spaces) that brings the write to at least `least` bytes
+    (DEFAULT_SSE_MIN_WRITE_BYTES says why). The comment is a block of its own: a client that splits the stream at
+    blank lines gets each event whole, and a comment block alone, which SSE clients skip."""
+    short = least - len(event)
+    return event if short <= 0 else event + b":" + b" " * max(0, short - 3) + b"\n\n"
 
 
 class _Refuse(asyncio.Protocol):
@@ -121,12 +130,14 @@ class OpenAIServer:
     def __init__(self, gateway: Gateway, model_name: str, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                  deadline_s: float = DEFAULT_HTTP_DEADLINE_S,
                  stall_timeout_s: float = DEFAULT_CLIENT_STALL_TIMEOUT_S,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 sse_min_write_bytes: int = DEFAULT_SSE_MIN_WRITE_BYTES) -> None:
         """`gateway`: the core whose `stream`, `keys`, `model` and `metrics` it uses. `deadline_s`:
         every HTTP request's deadline (HTTP clients send none; without one a request could wait forever)."""
         self.gateway, self.model_name, self.body_timeout_s = gateway, model_name, body_timeout_s
         self.deadline_s = deadline_s
         self.stall_timeout_s = stall_timeout_s  # a stream the client leaves undrained this long is cut
+        self.sse_min_write_bytes = sse_min_write_bytes
         self.created = int(time.time())
         app = web.Application(middlewares=[self._errors_and_keys], client_max_size=MAX_BODY_BYTES)
         app.router.add_get("/v1/models", self.models)
@@ -191,7 +202,7 @@ class OpenAIServer:
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
             body = await self._body(request)
-            generate, stream, include_usage = self._parse(body, chat)
+            generate, stream, include_usage = read_body(body, chat, self.model_name)
             generate.request_id = unicode_param(request.headers.get("X-Request-Id", ""), "X-Request-Id")
         except BadBody as exc:
             refusal = error(exc.status, exc.message, param=exc.param, code="invalid_body")
@@ -235,8 +246,7 @@ class OpenAIServer:
         except TimeoutError:
             raise BadBody(408, f"the request body did not arrive within {self.body_timeout_s:g} s") from None
 
-    async def _whole(self, reply: _Reply, first: gateway_pb2.GenerateResponse,
-                     responses: AsyncIterator[gateway_pb2.GenerateResponse]) -> web.Response:
+    async def _whole(self, reply: _Reply, first: Delta, responses: AsyncIterator[Delta]) -> web.Response:
         text, last = [first.text], first
         try:
             async for response in responses:
@@ -246,9 +256,8 @@ class OpenAIServer:
             return _failed(exc)
         return web.json_response(reply.whole("".join(text), last))
 
-    async def _stream(self, request: web.Request, reply: _Reply, first: gateway_pb2.GenerateResponse,
-                      responses: AsyncIterator[gateway_pb2.GenerateResponse], include_usage: bool,
-                      ) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, reply: _Reply, first: Delta, responses: AsyncIterator[Delta],
+                      include_usage: bool) -> web.StreamResponse:
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                           "X-Request-Id": first.request_id})
         await out.prepare(request)
@@ -256,19 +265,20 @@ class OpenAIServer:
         stall_s = self.stall_timeout_s
 
         async def send(payload: object) -> None:
-            await sse_write(out, b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n", stall_s)
+            event = b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+            await sse_write(out, padded(event, self.sse_min_write_bytes), stall_s)
 
         try:
             if reply.chat:
                 await send(reply.chunk({"role": "assistant", "content": ""}, None, include_usage))
-            response: gateway_pb2.GenerateResponse | None = first
+            response: Delta | None = first
             try:
                 while response is not None:
                     if response.text or response.token_ids or response.finish_reason:
                         await send(reply.chunk(response.text, response.finish_reason or None, include_usage,
                                                tokens=bool(response.token_ids)))
                     if response.finish_reason:
-                        if include_usage:
+                        if include_usage and response.usage is not None:
                             await send(reply.usage_chunk(response.usage))
                         break
                     response = await anext(responses, None)
@@ -286,123 +296,6 @@ class OpenAIServer:
         await out.write_eof()
         return out
 
-    def _parse(self, body: Any, chat: bool) -> tuple[gateway_pb2.GenerateRequest, bool, bool]:
-        if not isinstance(body, dict):
-            raise BadParameter("body", "the request body must be a JSON object")
-        ignored = sorted(set(body) - (CHAT_FIELDS if chat else COMPLETION_FIELDS))
-        if ignored:
-            log.warning("ignored request fields this API does not know: %s%s", ", ".join(map(short, ignored[:8])),
-                        f" and {len(ignored) - 8} more" if len(ignored) > 8 else "")
-        model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            raise BadParameter("model", "model must be a string")
-        if model not in (None, self.model_name):
-            raise BadParameter("model", f"The model {short(model)} does not exist; this server serves "
-                               f"`{self.model_name}` (GET /v1/models)", status=404)
-        for name, harmless in UNSUPPORTED.items():
-            if not harmless(body.get(name)):
-                raise BadParameter(name, f"{name} is not supported by pdserve")
-        n = body.get("n")
-        if n is not None and (isinstance(n, bool) or n != 1):
-            raise BadParameter("n", "only n=1 is supported")
-        generate = gateway_pb2.GenerateRequest()
-        if chat:
-            generate.messages.extend(self._chat_messages(body.get("messages")))
-        else:
-            self._completion_prompt(body.get("prompt"), generate)
-        max_tokens = body.get("max_completion_tokens") if chat else None
-        max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
-        for name, value, kind in (("max_tokens", max_tokens, int), ("temperature", body.get("temperature"), float),
-                                  ("top_p", body.get("top_p"), float), ("seed", body.get("seed"), int),
-                                  ("top_k", body.get("top_k"), int)):
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
-                raise BadParameter(name, f"{name} must be {'a number' if kind is float else 'an integer'}")
-            if kind is int and value < (-1 if name == "top_k" else 0):
-                raise BadParameter(name, f"{name} must be >= {-1 if name == 'top_k' else 0}")
-            if name == "max_tokens" and value < 1:
-                raise BadParameter(name, "max_tokens must be >= 1")
-            if name == "temperature":  # checked here too: float32 would round -5e-324 to -0.0, allowed
-                try:
-                    check_temperature(value)
-                except ValueError as exc:
-                    raise BadParameter(name, str(exc)) from None
-            try:
-                if name == "top_k":
-                    generate.top_k = max(0, int(value))  # -1 (vLLM's "off") is 0 here
-                else:
-                    setattr(generate, name, value)
-            except (ValueError, TypeError, OverflowError):  # beyond the field's integer width
-                raise BadParameter(name, f"{name} = {value} is out of range") from None
-        stop = body.get("stop")
-        if isinstance(stop, str):
-            stop = [stop]
-        if stop is not None and not (isinstance(stop, list) and len(stop) <= MAX_STOP_STRINGS
-                                     and all(isinstance(s, str) and s for s in stop)):
-            raise BadParameter("stop", f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS}")
-        try:
-            check_stop(stop or [])
-        except InvalidRequest as exc:
-            raise BadParameter("stop", str(exc)) from None
-        generate.stop.extend(unicode_param(s, "stop") for s in stop or [])
-        ignore_eos = body.get("ignore_eos", False)
-        if not isinstance(ignore_eos, bool):
-            raise BadParameter("ignore_eos", "ignore_eos must be a boolean")
-        generate.ignore_eos = ignore_eos
-        salt = body.get("cache_salt")  # as vLLM's: a non-empty string when given (its length: parse_request)
-        if salt is not None and (not isinstance(salt, str) or not salt):
-            raise BadParameter("cache_salt", "cache_salt must be a non-empty string")
-        generate.cache_salt = unicode_param(salt or "", "cache_salt")
-        parse_slo(body.get("slo"), generate.slo)
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise BadParameter("stream", "stream must be a boolean")
-        options = body.get("stream_options")
-        if options is not None and (not stream or not isinstance(options, dict)):
-            raise BadParameter("stream_options", "stream_options is an object, allowed only with stream: true")
-        include_usage = (options or {}).get("include_usage", False)
-        if not isinstance(include_usage, bool):
-            raise BadParameter("stream_options", "stream_options.include_usage must be a boolean")
-        return generate, stream, include_usage
-
-    def _completion_prompt(self, prompt: Any, generate: gateway_pb2.GenerateRequest) -> None:
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str) and prompt:
-            generate.prompt = unicode_param(prompt, "prompt")
-        elif isinstance(prompt, list) and prompt and all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32 for t in prompt):
-            generate.token_ids.extend(prompt)
-        else:
-            raise BadParameter("prompt", "prompt must be a non-empty string or list of token ids (one prompt: "
-                               "batches of several are not supported)")
-
-    @staticmethod
-    def _chat_messages(messages: Any) -> list[gateway_pb2.ChatMessage]:
-        """OpenAI messages as the gateway's; roles and the chat template are checked where gRPC's are."""
-        if not isinstance(messages, list) or not messages:
-            raise BadParameter("messages", "messages must be a non-empty list")
-        if len(messages) > MAX_MESSAGES:  # before each is checked and copied
-            raise BadParameter("messages", f"messages holds {len(messages)} messages; at most {MAX_MESSAGES} are "
-                               "accepted")
-        turns = []
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise BadParameter(f"messages[{i}]", "each message is an object with a role and content")
-            content = message.get("content")
-            if isinstance(content, list):  # content parts: text only
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):
-                    raise BadParameter(f"messages[{i}].content", "only text content parts are supported")
-                content = "".join(p["text"] for p in content)
-            if not isinstance(content, str):
-                raise BadParameter(f"messages[{i}].content", "content must be a string or a list of text parts")
-            turns.append(gateway_pb2.ChatMessage(role=unicode_param(message["role"], f"messages[{i}].role"),
-                                                 content=unicode_param(content, f"messages[{i}].content")))
-        return turns
-
-
 class _Reply:
     """The OpenAI objects for one request: a whole completion, or stream chunks."""
 
@@ -415,19 +308,19 @@ class _Reply:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
     @staticmethod
-    def _usage(usage: gateway_pb2.Usage) -> dict[str, Any]:
+    def _usage(usage: Usage) -> dict[str, Any]:
         return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
                 "total_tokens": usage.prompt_tokens + usage.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
-    def whole(self, text: str, last: gateway_pb2.GenerateResponse) -> dict[str, Any]:
+    def whole(self, text: str, last: Delta) -> dict[str, Any]:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                       "finish_reason": last.finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
         reply = self._object("chat.completion" if self.chat else "text_completion", [choice])
-        reply["usage"] = self._usage(last.usage)
+        reply["usage"] = self._usage(last.usage or Usage(0, 0))
         return reply
 
     def chunk(self, delta: str | dict[str, str], finish_reason: str | None, include_usage: bool,
@@ -444,7 +337,7 @@ class _Reply:
             chunk["usage"] = None
         return chunk
 
-    def usage_chunk(self, usage: gateway_pb2.Usage) -> dict[str, Any]:
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         chunk = self._object("chat.completion.chunk" if self.chat else "text_completion", [])
         chunk["usage"] = self._usage(usage)
         return chunk

@@ -1,13 +1,20 @@
 """The OpenAI-compatible API's request bodies: JSON parsed strictly (a repeated key, NaN or a lone surrogate is
-refused, not resolved), the fields read, and the parameters refused rather than ignored."""
+refused, not resolved), the fields read into the core's GenerateInput (read_body), and the parameters refused
+rather than ignored."""
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from typing import Any
 
-from protos import gateway_pb2
+from gateway.errors import InvalidRequest
+from gateway.messages import ChatTurn, GenerateInput, Slo
+from gateway.request import MAX_MESSAGES, MAX_STOP_STRINGS, check_stop
+from protos.types import check_temperature
+
+log = logging.getLogger(__name__)
 
 # Parameters pdserve does not implement: refused when set to anything but their no-op value, never ignored.
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
@@ -24,9 +31,11 @@ FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop"
            "ignore_eos", "n", "user", "cache_salt", "slo", *UNSUPPORTED}
 COMPLETION_FIELDS = FIELDS | {"prompt"}
 CHAT_FIELDS = FIELDS | {"messages", "max_completion_tokens"}
+# The integer parameters' widths on the wire to the workers (gateway.proto: uint32, uint64): above them, refused.
+INTEGER_LIMITS = {"max_tokens": 1 << 32, "seed": 1 << 64, "top_k": 1 << 32}
 
 
-def parse_slo(given: Any, slo: gateway_pb2.Slo) -> None:
+def parse_slo(given: Any, slo: Slo) -> None:
     """pdserve's extension field `slo`: {"ttft_ms": int, "tpot_ms": int, "refuse_late": bool}, any of them
     (gateway.proto Slo; their bounds are checked with the rest of the request)."""
     if given is None:
@@ -110,3 +119,120 @@ def parse_json(raw: bytes, yielding: bool = False) -> Any:
         raise BadBody(400, "the request body nests too deeply") from None
     except ValueError as exc:
         raise BadBody(400, f"the request body is not valid JSON: {exc}") from None
+
+
+def read_body(body: Any, chat: bool, model_name: str) -> tuple[GenerateInput, bool, bool]:
+    """A completion (`chat`: chat completion) request's parsed body as the core's GenerateInput, and whether it
+    streams and includes usage; BadParameter names the first bad field."""
+    if not isinstance(body, dict):
+        raise BadParameter("body", "the request body must be a JSON object")
+    ignored = sorted(set(body) - (CHAT_FIELDS if chat else COMPLETION_FIELDS))
+    if ignored:
+        log.warning("ignored request fields this API does not know: %s%s", ", ".join(map(short, ignored[:8])),
+                    f" and {len(ignored) - 8} more" if len(ignored) > 8 else "")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadParameter("model", "model must be a string")
+    if model not in (None, model_name):
+        raise BadParameter("model", f"The model {short(model)} does not exist; this server serves "
+                           f"`{model_name}` (GET /v1/models)", status=404)
+    for name, harmless in UNSUPPORTED.items():
+        if not harmless(body.get(name)):
+            raise BadParameter(name, f"{name} is not supported by pdserve")
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
+        raise BadParameter("n", "only n=1 is supported")
+    generate = GenerateInput()
+    if chat:
+        generate.messages = _chat_messages(body.get("messages"))
+    else:
+        _completion_prompt(body.get("prompt"), generate)
+    max_tokens = body.get("max_completion_tokens") if chat else None
+    max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
+    for name, value, kind in (("max_tokens", max_tokens, int), ("temperature", body.get("temperature"), float),
+                              ("top_p", body.get("top_p"), float), ("seed", body.get("seed"), int),
+                              ("top_k", body.get("top_k"), int)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+            raise BadParameter(name, f"{name} must be {'a number' if kind is float else 'an integer'}")
+        if kind is int and value < (-1 if name == "top_k" else 0):
+            raise BadParameter(name, f"{name} must be >= {-1 if name == 'top_k' else 0}")
+        if name == "max_tokens" and value < 1:
+            raise BadParameter(name, "max_tokens must be >= 1")
+        if name == "temperature":  # checked before float32 rounds it (parse_request): -5e-324 would pass as -0.0
+            try:
+                check_temperature(value)
+            except ValueError as exc:
+                raise BadParameter(name, str(exc)) from None
+        if kind is int and value >= INTEGER_LIMITS[name]:  # beyond the field's integer width on the wire
+            raise BadParameter(name, f"{name} = {value} is out of range")
+        if name == "top_k":
+            generate.top_k = max(0, int(value))  # -1 (vLLM's "off") is 0 here
+        else:
+            setattr(generate, name, value)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not (isinstance(stop, list) and len(stop) <= MAX_STOP_STRINGS
+                                 and all(isinstance(s, str) and s for s in stop)):
+        raise BadParameter("stop", f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS}")
+    try:
+        check_stop(stop or [])
+    except InvalidRequest as exc:
+        raise BadParameter("stop", str(exc)) from None
+    generate.stop = [unicode_param(s, "stop") for s in stop or []]
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise BadParameter("ignore_eos", "ignore_eos must be a boolean")
+    generate.ignore_eos = ignore_eos
+    salt = body.get("cache_salt")  # as vLLM's: a non-empty string when given (its length: parse_request)
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise BadParameter("cache_salt", "cache_salt must be a non-empty string")
+    generate.cache_salt = unicode_param(salt or "", "cache_salt")
+    parse_slo(body.get("slo"), generate.slo)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadParameter("stream", "stream must be a boolean")
+    options = body.get("stream_options")
+    if options is not None and (not stream or not isinstance(options, dict)):
+        raise BadParameter("stream_options", "stream_options is an object, allowed only with stream: true")
+    include_usage = (options or {}).get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise BadParameter("stream_options", "stream_options.include_usage must be a boolean")
+    return generate, stream, include_usage
+
+def _completion_prompt(prompt: Any, generate: GenerateInput) -> None:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+        generate.prompt = unicode_param(prompt, "prompt")
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32 for t in prompt):
+        generate.token_ids = prompt
+    else:
+        raise BadParameter("prompt", "prompt must be a non-empty string or list of token ids (one prompt: "
+                           "batches of several are not supported)")
+
+def _chat_messages(messages: Any) -> list[ChatTurn]:
+    """OpenAI messages as the gateway's; roles and the chat template are checked where gRPC's are."""
+    if not isinstance(messages, list) or not messages:
+        raise BadParameter("messages", "messages must be a non-empty list")
+    if len(messages) > MAX_MESSAGES:  # before each is checked and copied
+        raise BadParameter("messages", f"messages holds {len(messages)} messages; at most {MAX_MESSAGES} are "
+                           "accepted")
+    turns = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise BadParameter(f"messages[{i}]", "each message is an object with a role and content")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise BadParameter(f"messages[{i}].content", "only text content parts are supported")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise BadParameter(f"messages[{i}].content", "content must be a string or a list of text parts")
+        turns.append(ChatTurn(role=unicode_param(message["role"], f"messages[{i}].role"),
+                              content=unicode_param(content, f"messages[{i}].content")))
+    return turns

@@ -1,4 +1,5 @@
-"""A client's GenerateRequest, checked field by field and turned into plain parameters."""
+"""A client's request (messages.GenerateInput, from either edge), checked field by field and turned into the
+parameters the journey runs with."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import asyncio
 import dataclasses
 import functools
 import hashlib
+import math
 import secrets
+import struct
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -18,7 +21,7 @@ from google.protobuf.message import DecodeError, Message
 from jinja2 import TemplateError
 
 from gateway.errors import InvalidRequest
-from protos import gateway_pb2
+from gateway.messages import ChatTurn, GenerateInput, Slo
 from protos.types import MAX_TPOT_TARGET_MS, SamplingParams, check_cache_salt
 
 DEFAULT_MAX_TOKENS = 128
@@ -97,7 +100,7 @@ class GenerateParams:
 CHAT_ROLES = ("system", "user", "assistant")
 
 
-def chat_turns(messages: Sequence[gateway_pb2.ChatMessage], tokenizer: Any, max_chars: int) -> list[dict[str, str]]:
+def chat_turns(messages: Sequence[ChatTurn], tokenizer: Any, max_chars: int) -> list[dict[str, str]]:
     """The conversation as the chat template takes it, checked: known roles, at most MAX_MESSAGES turns and
     `max_chars` characters of content."""
     if len(messages) > MAX_MESSAGES:
@@ -180,7 +183,7 @@ def check_stop(stop: Sequence[str]) -> None:
 
 
 async def parse_request(
-    request: gateway_pb2.GenerateRequest, tokenizer: Any, vocab_size: int, max_model_len: int, tenant: str = "",
+    request: GenerateInput | Undecodable, tokenizer: Any, vocab_size: int, max_model_len: int, tenant: str = "",
     deadline: float | None = None,
 ) -> GenerateParams:
     """`tenant`: who sent it (auth.ApiKeys.tenant). Every check costs time linear in what the request carries, and
@@ -192,7 +195,7 @@ async def parse_request(
     if len(given) != 1:
         raise InvalidRequest(f"give exactly one of prompt, token_ids and messages (got {' and '.join(given)})"
                              if given else "prompt is empty: give a non-empty prompt, token_ids or messages")
-    if request.HasField("max_tokens") and request.max_tokens < 1:
+    if request.max_tokens is not None and request.max_tokens < 1:
         raise InvalidRequest("max_tokens must be >= 1")
     sampling = _sampling(request)
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
@@ -209,7 +212,7 @@ async def parse_request(
     room = max_model_len - len(prompt_ids)
     if room < 1:
         raise _no_room(len(prompt_ids), max_model_len)
-    max_tokens = request.max_tokens if request.HasField("max_tokens") else min(DEFAULT_MAX_TOKENS, room)
+    max_tokens = request.max_tokens if request.max_tokens is not None else min(DEFAULT_MAX_TOKENS, room)
     if max_tokens > room:
         raise InvalidRequest(f"max_tokens = {max_tokens} exceeds the {room} tokens the context leaves after a "
                              f"{len(prompt_ids)}-token prompt (context {max_model_len})")
@@ -230,7 +233,7 @@ async def parse_request(
 MAX_TTFT_TARGET_MS = 3_600_000
 
 
-def check_slo(slo: gateway_pb2.Slo) -> None:
+def check_slo(slo: Slo) -> None:
     if slo.ttft_ms > MAX_TTFT_TARGET_MS:
         raise InvalidRequest(f"slo.ttft_ms {slo.ttft_ms}: must be at most {MAX_TTFT_TARGET_MS}")
     if slo.tpot_ms > MAX_TPOT_TARGET_MS:
@@ -239,20 +242,29 @@ def check_slo(slo: gateway_pb2.Slo) -> None:
         raise InvalidRequest("slo.refuse_late needs slo.ttft_ms (or leave it false)")
 
 
-def _sampling(request: gateway_pb2.GenerateRequest) -> SamplingParams:
-    """The request's sampling parameters, checked by the rules the workers apply (protos/types.py)."""
+def _float32(value: float) -> float:
+    """`value` as the workers get it: sampling floats travel as float32 (worker.proto); past its range, infinite."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def _sampling(request: GenerateInput) -> SamplingParams:
+    """The request's sampling parameters, checked by the rules the workers apply (protos/types.py) to the values
+    they will get."""
     try:
         return SamplingParams(
-            temperature=request.temperature if request.HasField("temperature") else 1.0,
-            top_p=request.top_p if request.HasField("top_p") else 1.0,
+            temperature=_float32(request.temperature) if request.temperature is not None else 1.0,
+            top_p=_float32(request.top_p) if request.top_p is not None else 1.0,
             top_k=request.top_k,
-            seed=request.seed if request.HasField("seed") else secrets.randbits(63))
+            seed=request.seed if request.seed is not None else secrets.randbits(63))
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
 
 
 async def _prompt_ids(
-    request: gateway_pb2.GenerateRequest, tokenizer: Any, vocab_size: int, max_model_len: int,
+    request: GenerateInput, tokenizer: Any, vocab_size: int, max_model_len: int,
     deadline: float | None = None,
 ) -> list[int]:
     max_chars = await _off_loop(max_prompt_chars, tokenizer, max_model_len)  # computed once per tokenizer

@@ -14,6 +14,7 @@ from gateway.auth import ApiKeys
 from gateway.config import GatewayConfig
 from gateway.core import CANCEL_CALL, Gateway
 from gateway.errors import GatewayError
+from gateway.messages import GenerateInput
 from gateway.openai_api import (
     OpenAIServer,
 )
@@ -53,7 +54,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # Generate handlers inside context.write -> whether a Cancel is waiting for that write to finish
         self._writing: dict[asyncio.Task, bool] = {}
 
-    async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+    async def Generate(self, request: gateway_pb2.GenerateRequest | Undecodable,
+                       context: grpc.aio.ServicerContext) -> None:
         # Writes with context.write rather than as an async generator, so that a Cancel call never interrupts a
         # write: cancelled mid-write, the write's operation stays pending in gRPC core, which then refuses the
         # status (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS) and the client waits forever. A Cancel that finds the
@@ -69,12 +71,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         peer = _peer_host(context.peer())
         stalled: list[asyncio.Future[None]] = []  # the write a stall left pending: any status must wait for it
         try:
-            responses = self.gateway.stream(request, deadline, metadata, peer=peer)
+            asked = request if isinstance(request, Undecodable) else GenerateInput.from_pb(request)
+            responses = self.gateway.stream(asked, deadline, metadata, peer=peer)
             async with contextlib.aclosing(responses):
                 async for response in responses:
                     self._writing[task] = False
                     try:
-                        await grpc_write(context, response, self.client_stall_timeout_s, stalled)
+                        await grpc_write(context, response.to_pb(), self.client_stall_timeout_s, stalled)
                     finally:
                         cancel_deferred = self._writing.pop(task)
                     if cancel_deferred:
@@ -149,7 +152,8 @@ async def serve(config: GatewayConfig) -> None:
                       config.admission, ApiKeys.load(config.api_key_file))
     servicer = GatewayServicer(gateway, config.client_stall_timeout_s)
     http = OpenAIServer(gateway, config.served_model_name or model_name(config.model), config.http_body_timeout_s,
-                        config.http_deadline_s, config.client_stall_timeout_s, config.max_http_connections)
+                        config.http_deadline_s, config.client_stall_timeout_s, config.max_http_connections,
+                        config.sse_min_write_bytes)
     announce = {}
     if config.http_port >= 0:
         announce["http"] = await http.start(config.server.host, config.http_port)

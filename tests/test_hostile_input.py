@@ -28,6 +28,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from bench.protowire import field, varint_field
+from gateway.messages import ChatTurn, GenerateInput
 from gateway.openai_api import MAX_BODY_BYTES
 from gateway.request import MAX_MESSAGES, InvalidRequest, max_prompt_chars, parse_request
 from pdserve.cluster import Cluster
@@ -106,7 +107,7 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer: Any) -> None:
     loop runs its timers meanwhile."""
     bound = max_prompt_chars(tokenizer, 8192)  # its one vocabulary scan done, as the gateway does at start-up
     prompt = ("hello world, " * (bound // 13))[:bound]
-    request = gateway_pb2.GenerateRequest(prompt=prompt)
+    request = GenerateInput(prompt=prompt)
     ticked = threading.Event()
     watched = WatchedTokenizer(tokenizer, ticked)
     loop_thread, raised = asyncio.run(_beside_a_ticker(lambda: parse_request(request, watched, VOCAB, 8192), ticked))
@@ -121,12 +122,12 @@ def test_what_cannot_fit_is_refused_before_it_is_tokenized(tokenizer: Any) -> No
     longest = max(map(len, tokenizer.get_vocab()))
     assert bound == CONTEXT * longest
     cases = {
-        "prompt": gateway_pb2.GenerateRequest(prompt="x" * (8 << 20)),
-        "messages hold": gateway_pb2.GenerateRequest(messages=[
-            gateway_pb2.ChatMessage(role="user", content="x" * (bound // 2 + 1)) for _ in range(2)]),
-        "messages: 2049": gateway_pb2.GenerateRequest(messages=[
-            gateway_pb2.ChatMessage(role="user", content="x")] * (MAX_MESSAGES + 1)),
-        "prompt is 1000000 tokens": gateway_pb2.GenerateRequest(token_ids=[1] * 1_000_000),
+        "prompt": GenerateInput(prompt="x" * (8 << 20)),
+        "messages hold": GenerateInput(messages=[
+            ChatTurn("user", "x" * (bound // 2 + 1)) for _ in range(2)]),
+        "messages: 2049": GenerateInput(messages=[
+            ChatTurn("user", "x")] * (MAX_MESSAGES + 1)),
+        "prompt is 1000000 tokens": GenerateInput(token_ids=[1] * 1_000_000),
     }
     for says, request in cases.items():
         watched = WatchedTokenizer(tokenizer)
@@ -136,7 +137,7 @@ def test_what_cannot_fit_is_refused_before_it_is_tokenized(tokenizer: Any) -> No
     # at the bound, it is tokenized (and here refused for its tokens, not its characters)
     watched = WatchedTokenizer(tokenizer)
     with pytest.raises(InvalidRequest, match="tokens; the model's context is 512"):
-        asyncio.run(parse_request(gateway_pb2.GenerateRequest(prompt="y" * bound), watched, VOCAB, CONTEXT))
+        asyncio.run(parse_request(GenerateInput(prompt="y" * bound), watched, VOCAB, CONTEXT))
     assert [what for what, _ in watched.calls] == [f"encode {bound} characters"]
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from gateway import admission as admission_module
 from gateway.admission import Admission, AdmissionConfig, Overloaded
+from gateway.messages import GenerateInput
 from pdserve.client import generate
 from pdserve.cluster import Cluster
 from protos import gateway_pb2, gateway_pb2_grpc
@@ -474,10 +475,10 @@ def test_a_short_prompt_is_tokenized_while_a_long_one_still_runs() -> None:
     async def scenario() -> None:
         tokenizer = Tokenizer()
         long = asyncio.ensure_future(requests.parse_request(
-            gateway_pb2.GenerateRequest(prompt="y" * (requests.SHORT_PROMPT_CHARS + 1), max_tokens=1), tokenizer,
+            GenerateInput(prompt="y" * (requests.SHORT_PROMPT_CHARS + 1), max_tokens=1), tokenizer,
             100, 4096))
         assert await asyncio.to_thread(long_started.wait, 30)
-        short = await requests.parse_request(gateway_pb2.GenerateRequest(prompt="hello", max_tokens=1), tokenizer,
+        short = await requests.parse_request(GenerateInput(prompt="hello", max_tokens=1), tokenizer,
                                              100, 4096)
         short_done.set()
         assert short.prompt_ids == [1] * 5 and len((await long).prompt_ids) == 10
@@ -503,7 +504,7 @@ def test_a_tokenizing_job_whose_deadline_passed_is_dropped_unrun() -> None:
     async def scenario() -> None:
         past = asyncio.get_running_loop().time() - 1
         with pytest.raises(requests.InvalidRequest, match="deadline passed"):
-            await requests.parse_request(gateway_pb2.GenerateRequest(prompt="hello"), Tokenizer(), 100, 4096,
+            await requests.parse_request(GenerateInput(prompt="hello"), Tokenizer(), 100, 4096,
                                          deadline=past)
 
     asyncio.run(scenario())
