@@ -121,6 +121,8 @@ async def _with_failover(
                     decision.release()
                     trace.get_current_span().set_attribute("pdserve.placement.ttft_s", timings.attempt_ttft_s)
                 sent += tokens.token_ids
+                if tokens.finish_reason:
+                    _learn_handoff(colocation, decision, timings, len(attempt.prompt_ids))
                 yield tokens
                 if tokens.finish_reason:
                     return
@@ -170,6 +172,18 @@ def _place(colocation: Placement | bool, params: GenerateParams, prefill: Pool, 
         return Decision(colocation, "fixed for every attempt")
     return colocation.decide(len(params.prompt_ids), prefill, decode, params.tpot_target_ms,
                              params.cacheable_ids, params.cache_salt)
+
+
+def _learn_handoff(colocation: Placement | bool, decision: Decision, timings: Timings, tokens: int) -> None:
+    """A finished attempt's KV handoff (its exposed time, by its path) teaches the placement model, and its span
+    tells the handoff predicted beside the one seen."""
+    if isinstance(colocation, bool) or timings.kv_transport not in ("shm", "grpc"):
+        return
+    colocation.learn_handoff(timings.kv_transport, tokens, timings.kv_exposed_ms / 1e3)
+    attributes: dict[str, str | float] = {"pdserve.kv_exposed_s": timings.kv_exposed_ms / 1e3}
+    if decision.handoff is not None:
+        attributes["pdserve.placement.handoff_predicted_s"] = decision.handoff[1]
+    trace.get_current_span().set_attributes(attributes)
 
 
 def _record_placement(timings: Timings, decision: Decision) -> None:

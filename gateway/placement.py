@@ -8,10 +8,12 @@ the seconds of prompt work it holds (backlog_s). For a prompt of n tokens the ga
   to a step once it has run `pass_budget_s` (layered prefill, engine/core.py), so prompts get a share
   s = budget / (budget + step) of the core and TTFT = (backlog(d) + prompt(d, n)) / s + step. Its running streams
   then wait up to step + budget between tokens (the predicted TPOT of that choice).
-backlog(w) is what the last poll read plus the predicted work of the prompts this gateway sent since. The choice
-with the lowest predicted TTFT wins; a choice whose TPOT would break the time-per-token objective (`tpot_s`) is
-taken only when every choice does. Until the workers report costs (the first poll), the fixed thresholds decide
-(Colocation), as they do with --placement threshold.
+backlog(w) is what the last poll read plus the predicted work of the prompts this gateway sent since. A
+disaggregated prompt's KV handoff does not delay its first token (prefill sends it at once), but its second:
+the handoff's exposed time is fitted per path (shm, grpc) on the prompt's tokens from every finished transfer,
+and told with the choice. The choice with the lowest predicted TTFT wins; a choice whose TPOT would break the
+time-per-token objective (`tpot_s`) is taken only when every choice does. Until the workers report costs (the
+first poll), the fixed thresholds decide (Colocation), as they do with --placement threshold.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class Decision:
     charge: tuple[Worker, float, bool] | None = None  # the chosen worker, the prompt work it is sent, and if short
     learn: Callable[[str, float, float], None] | None = None  # (where, actual, model's TTFT): Placement.learn
     charged: object = None  # the worker's WorkerInfo when `commit` charged it; None: nothing charged
+    handoff: tuple[str, float] | None = None  # disaggregated: the KV handoff's predicted path and exposed seconds
 
     def first_token(self, seconds: float) -> None:
         """The attempt's first token came `seconds` after it began: the prediction's error is learnt."""
@@ -83,7 +86,11 @@ class Decision:
     def explain(self) -> str:
         if self.reason != "model":
             return f"{'colocated' if self.colocated else 'prefill'} ({self.reason})"
-        return "; ".join(option.describe() for option in self.options)
+        told = "; ".join(option.describe() for option in self.options)
+        if self.handoff is not None:
+            path, seconds = self.handoff
+            told += f"; KV handoff by {path} predicted to hold the second token {seconds * 1e3:.0f} ms"
+        return told
 
 
 def _usable(worker: Worker) -> bool:
@@ -163,6 +170,24 @@ class Placement:
         # both keeps a short prompt's fixed costs from multiplying a long prompt's prediction.
         self.correction = {where: LinearFit(2, forget=FORGET, prior=NO_CORRECTION)
                            for where in ("prefill", "colocated")}
+        # A KV handoff's exposed seconds on the prompt's thousands of tokens, per path, and the path seen last
+        self.handoffs = {path: LinearFit(2, forget=FORGET) for path in ("shm", "grpc")}
+        self.last_path = ""
+
+    def learn_handoff(self, path: str, tokens: int, exposed_s: float) -> None:
+        """A finished transfer of a `tokens`-token prompt's KV by `path` left `exposed_s` after its forward pass."""
+        fit = self.handoffs.get(path)
+        if fit is not None:
+            fit.observe((1.0, tokens / 1e3), max(0.0, exposed_s))
+            self.last_path = path
+
+    def handoff(self, tokens: int) -> tuple[str, float] | None:
+        """The KV handoff a disaggregated prompt of `tokens` is predicted to see: by the path the last one took, and
+        its exposed seconds; None before any transfer has finished."""
+        fit = self.handoffs.get(self.last_path)
+        if fit is None or not fit.samples:
+            return None
+        return self.last_path, max(0.0, fit.predict((1.0, tokens / 1e3)))
 
     def learn(self, where: str, actual_s: float, model_s: float) -> None:
         self.correction[where].observe((1.0, model_s), actual_s)
@@ -203,7 +228,7 @@ class Placement:
                         decode=best.worker if best.where == "colocated" else "",
                         charge=(chosen, _prompt_s(chosen, prompt_tokens, held),
                                 _is_short(chosen, prompt_tokens, held)),
-                        learn=self.learn)
+                        learn=self.learn, handoff=None if best.where == "colocated" else self.handoff(prompt_tokens))
 
     def options(self, prompt_tokens: int, prefill: Pool, decode: Pool, tpot_s: float = 0.0,
                 cached: dict[str, int] | None = None) -> list[Option] | None:

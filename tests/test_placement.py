@@ -286,3 +286,29 @@ def test_the_prediction_error_is_read_from_the_gateway_log() -> None:
     ]
     assert ratios(lines) == [("prefill", pytest.approx(1.1)), ("colocated", pytest.approx(1.5))]
     assert summary(ratios(lines)).startswith("all: n=2 median 1.30")
+
+
+def test_the_kv_handoff_is_learnt_per_path_on_the_prompt_s_tokens_and_told_with_the_choice() -> None:
+    async def scenario() -> None:
+        placement = Placement("model", Colocation(below=512, queued=256))
+        prefill, decode = _pools(prefill_backlog_s=0.0, decode_running=4)
+        assert placement.decide(1024, prefill, decode).handoff is None  # no transfer has finished yet
+        for tokens, seconds in ((500, 0.006), (1000, 0.011), (2000, 0.021)):  # 1 ms + 10 ms a thousand tokens
+            placement.learn_handoff("shm", tokens, seconds)
+        decision = placement.decide(1024, prefill, decode)
+        assert not decision.colocated and decision.handoff is not None
+        path, predicted = decision.handoff
+        assert path == "shm" and predicted == pytest.approx(0.001 + 0.01024, rel=0.02)
+        assert "KV handoff by shm predicted to hold the second token 11 ms" in decision.explain()
+        # a cluster whose transfers now go by gRPC: its own fit, slower per token
+        for tokens, seconds in ((500, 0.05), (2000, 0.2)):
+            placement.learn_handoff("grpc", tokens, seconds)
+        assert placement.handoff(1000) == ("grpc", pytest.approx(0.1, rel=0.02))
+        # a colocated choice hands nothing off
+        prefill, decode = _pools(prefill_backlog_s=30.0, decode_running=4)
+        colocated = placement.decide(1024, prefill, decode)
+        assert colocated.colocated and colocated.handoff is None and "KV handoff" not in colocated.explain()
+        for pool in (prefill, decode):
+            await pool.close()
+
+    asyncio.run(scenario())
