@@ -1,16 +1,18 @@
 """Decode service: reserves capacity, receives a request's KV from prefill, and streams its tokens.
 
 Life of a request here:
-1. Generate arrives from the gateway: a slot and KV budget are reserved (reservations.py), the reservation
-   (token + lease) is the stream's first event. No capacity: RESOURCE_EXHAUSTED, nothing held. The reservation
-   also lends a shared-memory segment that a prefill worker on the same host may write the KV into (lending.py).
-   While the prompt waits in prefill's queue, the prefill worker renews the lease (RenewLease): only a prefill
-   worker that died, froze or lost its way here lets it run out.
+1. Generate arrives from the gateway and is checked (validation.py); a slot and KV budget are reserved
+   (reservations.py), the reservation (token + lease) is the stream's first event. No capacity:
+   RESOURCE_EXHAUSTED, nothing held. The reservation also lends a shared-memory segment that a prefill worker on
+   the same host may write the KV into (lending.py). While the prompt waits in prefill's queue, the prefill
+   worker renews the lease (RenewLease): only a prefill worker that died, froze or lost its way here lets it run
+   out.
 2. TransferKV arrives from prefill (the KV inbox, inbox.py): the header must present the reservation's token;
    every chunk is checked as it lands (its bytes in the message, or in the lent segment). Any fault refuses the
    stream with its status, frees the partial KV, and fails step 1's stream.
 3. The whole KV validated: the sequence joins the engine's continuous batch at the next step.
-4. Each step's token goes out on the Generate stream; eos, max_tokens or the context limit end it.
+4. Each step's token reaches this event loop (engine/client.py) and goes out on the Generate stream (relay.py);
+   eos, max_tokens or the context limit end it.
 5. The Generate call ending for any reason (done, gateway cancel, lease expiry, failure) frees everything.
 
 A colocated request (DecodeRequest.prompt_token_ids) skips steps 2-3: after the reservation, the engine
@@ -24,7 +26,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 import grpc
@@ -33,17 +34,13 @@ from opentelemetry.trace import SpanKind
 from decode_service.config import DEFAULT_KV_BUDGET_MB, DecodeConfig
 from decode_service.inbox import KVInbox
 from decode_service.lending import SegmentLender
-from decode_service.reservations import (
-    CapacityExhausted,
-    DecodeParams,
-    Failure,
-    Reservation,
-    ReservationState,
-    ReservationTable,
-)
+from decode_service.metrics import decode_metrics, observe_interval, observe_step, record_sequence
+from decode_service.relay import relay
+from decode_service.reservations import CapacityExhausted, Reservation, ReservationState, ReservationTable
+from decode_service.validation import decode_params
+from engine.client import EngineClient
 from engine.core import EngineCore
-from engine.sequence import FAILED, Sequence
-from engine.validation import check_decoded, check_prompt
+from engine.sequence import Sequence
 from kv_wire import codec, segments
 from kv_wire.layout import KVTransferError
 from kv_wire.receiver import ReceivedKV
@@ -52,16 +49,12 @@ from model_runner.forward import warm_up
 from model_runner.loading import LoadedModel
 from model_runner.paged_cache import BLOCK_SIZE
 from protos import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, worker_pb2
-from protos.convert import model_info, sampling_from_pb
-from protos.types import MAX_TPOT_TARGET_MS, check_cache_salt
+from protos.convert import model_info
 from serving import logs, tracing
 from serving import server as serving
-from serving.metrics import Metrics
 from serving.tls import require_peer
 
 log = logging.getLogger(__name__)
-
-MIN_HEARTBEAT_MS = 50  # a colocated prompt's `prefilling` events: no caller may ask for a flood
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
@@ -79,49 +72,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.engine = EngineCore(runner, kv_blocks=blocks, chunk_tokens=config.prefill_chunk,
                                  batch_tokens=config.prefill_batch_tokens,
                                  kv_warm_bytes=min(int(config.kv_warm_mb * (1 << 20)), budget),
-                                 on_step=self._observe_step, prompt_pass_s=config.prefill_pass_ms / 1e3,
-                                 pass_steps=config.prefill_pass_steps, on_interval=self._observe_interval,
+                                 on_step=lambda seconds, batch: observe_step(self.metrics, seconds, batch),
+                                 prompt_pass_s=config.prefill_pass_ms / 1e3, pass_steps=config.prefill_pass_steps,
+                                 on_interval=lambda seconds: observe_interval(self.metrics, seconds),
                                  busy_pass_steps=config.prefill_busy_steps,
                                  busy_backlog_s=config.prefill_busy_ms / 1e3)
+        self.client = EngineClient(self.engine)  # the engine thread's hops to this event loop
         keep = int(config.buffer_keep_mb * (1 << 20))
         pool = SegmentPool(keep_bytes=keep) if config.kv_shm and segments.SHM_DIR.is_dir() else None
         self.lender = SegmentLender(pool, spec.kv_bytes_per_token)
-        self.metrics = Metrics(
-            gauges={
-                "pdserve_live_reservations": ("reservations waiting for or receiving KV",
-                                              lambda: self.table.awaiting_kv),
-                "pdserve_live_sequences": ("sequences prefilling, joining or in the batch",
-                                           lambda: self.engine.live_sequences),
-                "pdserve_live_kv_bytes": ("KV bytes reserved or admitted", lambda: self.table.kv_bytes),
-                "pdserve_live_buffer_bytes": ("shared-memory KV segments lent to live requests",
-                                              lambda: self.lender.lent_bytes),
-                "pdserve_num_requests_running": ("sequences in the decode batch", lambda: self.engine.running),
-                "pdserve_num_requests_waiting": ("sequences waiting for their KV, or to join the batch",
-                                                 lambda: self.engine.live_sequences - self.engine.running
-                                                 + self.table.awaiting_kv),
-                "pdserve_kv_cache_usage_perc": ("fraction of the KV budget reserved or in use",
-                                                lambda: self.table.kv_bytes / self.table.kv_budget_bytes),
-            },
-            counters={"pdserve_cancellations": "requests whose caller cancelled or left mid-request",
-                      "pdserve_rejections": "reservations refused: no slot or KV budget",
-                      "pdserve_generation_tokens": "tokens decoded (the first, sampled by prefill, excluded)",
-                      "pdserve_kv_transfer_bytes": "KV bytes received, by path (grpc, shm)",
-                      "pdserve_kv_transfer_failures": "KV transfers refused or broken, by path"},
-            histograms={"pdserve_kv_transfer_seconds": "a KV stream's header to its trailer, by path",
-                        "pdserve_decode_step_seconds": "one forward pass of the decode batch",
-                        "pdserve_decode_interval_seconds": "from one decode step's start to the next one's while "
-                                                           "sequences run: the gap a running stream sees",
-                        "pdserve_decode_batch_size": "sequences in a decode step",
-                        "pdserve_request_decode_time_seconds": "a sequence's time in the batch, join to finish"})
+        self.metrics = decode_metrics(self.engine, self.table, self.lender)
         self.inbox = KVInbox(spec, self.table, self._admit, self.metrics, config.lease_s, config.max_chunk_bytes)
-
-    def _observe_interval(self, seconds: float) -> None:  # engine thread
-        self.metrics.observe("pdserve_decode_interval_seconds", seconds)
-
-    def _observe_step(self, seconds: float, batch: int) -> None:  # engine thread
-        self.metrics.observe("pdserve_decode_step_seconds", seconds)
-        self.metrics.observe("pdserve_decode_batch_size", batch)
-        self.metrics.count("pdserve_generation_tokens", batch)
 
     async def Generate(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
@@ -151,7 +112,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def _generate(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[decode_pb2.DecodeEvent, None]:
-        params = await self._params(request, context)
+        try:
+            params = decode_params(self.spec, request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
             reservation = self.table.reserve(params)
         except CapacityExhausted as exc:
@@ -169,7 +133,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             yield decode_pb2.DecodeEvent(reserved=decode_pb2.Reservation(
                 token=reservation.token, lease_ms=lease_ms, kv_port=self.kv_port,
                 shm_segment=reservation.segment.name if reservation.segment else ""))
-            async for tokens in self._relay(reservation, context):
+            async for tokens in relay(reservation, context.abort, self.engine.stalled, self.config.server.stall_s,
+                                      self.config.lease_s):
                 if tokens is None:
                     yield decode_pb2.DecodeEvent(prefilling=decode_pb2.Prefilling())
                     continue
@@ -181,67 +146,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         finally:  # done, cancelled, expired or failed: free everything this request holds
             if reservation.sequence is not None:
                 self.engine.abort(reservation.sequence)
-                self._record(reservation.sequence, colocated=bool(params.prompt))
+                record_sequence(self.metrics, reservation.sequence, colocated=bool(params.prompt))
+                log.info("released after %d tokens (%s)", len(reservation.sequence.tokens),
+                         "colocated" if params.prompt else "KV received")
             self.lender.retire(reservation)  # admitted KV took its segment already
             self.table.release(reservation)
             if reservation.transfer is not None and not reservation.transfer.done():
                 reservation.transfer.cancel()  # a KV stream still arriving for a request nobody waits for
-
-    def _record(self, seq: Sequence, colocated: bool) -> None:
-        """The engine's work for this sequence, as children of the current (decode) span, and its decode time."""
-        ended = seq.steps[-1][1] if seq.steps else time.perf_counter()
-        if seq.joined_at:
-            self.metrics.observe("pdserve_request_decode_time_seconds", ended - seq.joined_at)
-        log.info("released after %d tokens (%s)", len(seq.tokens), "colocated" if colocated else "KV received")
-        if seq.steps is None:
-            return
-        if seq.joined_at:  # the wait for the batch (colocated: the prefill too)
-            tracing.record("decode.prefill" if colocated else "decode.join", None, seq.submitted_at, seq.joined_at)
-        for number, (started, finished, batch) in enumerate(seq.steps, 1):
-            tracing.record("decode.step", None, started, finished,
-                           {"pdserve.step": number, "pdserve.batch_size": batch})
-
-    async def _relay(
-        self, reservation: Reservation, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[tuple[list[int], str] | None]:
-        """The reservation's tokens, in batches; None for a heartbeat while a colocated prompt prefills."""
-        heartbeat_s = reservation.params.heartbeat_ms / 1e3 or None
-        while True:
-            if reservation.state is ReservationState.ADMITTED:
-                try:
-                    async with asyncio.timeout(heartbeat_s):
-                        event = await reservation.events.get()
-                except TimeoutError:
-                    if self.engine.stalled() < self.config.server.stall_s:  # a stuck engine sends none
-                        yield None
-                    continue
-            else:
-                try:
-                    async with asyncio.timeout_at(reservation.loop_expiry()):
-                        event = await reservation.events.get()
-                except TimeoutError:
-                    # the KV arrived just in time (tokens follow), or prefill renewed the lease meanwhile
-                    if reservation.state is ReservationState.ADMITTED or time.monotonic() < reservation.expires_at:
-                        continue
-                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                        f"KV for request {reservation.params.request_id!r} did not arrive, nor did "
-                                        f"prefill renew the {self.config.lease_s:g} s lease")
-            if isinstance(event, Failure):
-                await context.abort(event.code, event.message)
-                return
-            token_ids, reason = event
-            while not reason and not reservation.events.empty():  # coalesce tokens the client has not seen yet
-                more = reservation.events.get_nowait()
-                if isinstance(more, Failure):
-                    await context.abort(more.code, more.message)
-                    return
-                token_ids, reason = token_ids + more[0], more[1]
-            if reason == FAILED:
-                await context.abort(grpc.StatusCode.INTERNAL, "decode engine failed this sequence; see worker logs")
-            heartbeat_s = None  # the first token is out: decode steps follow
-            yield token_ids, reason
-            if reason:
-                return
 
     def _admit(self, reservation: Reservation, received: ReceivedKV) -> None:
         """Step 3, for the KV inbox: the whole KV joins the batch at the next step."""
@@ -255,23 +166,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def _sequence(self, reservation: Reservation, tokens: list[int]) -> Sequence:
         """The engine's view of a reservation; its tokens stream back through the reservation's events."""
         params = reservation.params
-        loop = asyncio.get_running_loop()
-        events = reservation.events
-
-        def emit(token_ids: list[int], reason: str) -> None:  # engine thread -> this loop
-            loop.call_soon_threadsafe(events.put_nowait, (token_ids, reason))
-
-        return Sequence(
-            request_id=params.request_id,
-            prompt_len=params.prompt_tokens,
-            max_tokens=params.max_tokens,
-            sampling=params.sampling,
-            stop_token_ids=frozenset() if params.ignore_eos else frozenset(self.spec.eos_token_ids),
-            emit=emit,
-            tokens=tokens,
-            steps=[] if tracing.recording() else None,
-            tpot_target_s=params.tpot_target_ms / 1e3,
-        )
+        return Sequence(request_id=params.request_id, prompt_len=params.prompt_tokens, max_tokens=params.max_tokens,
+                        sampling=params.sampling,
+                        stop_token_ids=frozenset() if params.ignore_eos else frozenset(self.spec.eos_token_ids),
+                        emit=self.client.emit_to(reservation.events.put_nowait), tokens=tokens,
+                        steps=[] if tracing.recording() else None, tpot_target_s=params.tpot_target_ms / 1e3)
 
     async def RenewLease(
         self, request: decode_pb2.LeaseRenewal, context: grpc.aio.ServicerContext
@@ -299,38 +198,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             live_buffer_bytes=self.lender.lent_bytes,
         ))
 
-    async def _params(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext) -> DecodeParams:
-        try:
-            if not request.request_id:
-                raise ValueError("request_id is required")
-            check_prompt(self.spec, request.prompt_tokens, request.max_tokens, request.prompt_token_ids,
-                         "prompt_token_ids")
-            if request.decoded_tokens and not request.prompt_token_ids:
-                raise ValueError("decoded_tokens is for a colocated request: it needs prompt_token_ids")
-            check_decoded(request.prompt_tokens, request.decoded_tokens)
-            if request.cache_salt and not request.prompt_token_ids:
-                raise ValueError("cache_salt is for a colocated request: it needs prompt_token_ids")
-            check_cache_salt(request.cache_salt)
-            if request.heartbeat_ms and not request.prompt_token_ids:
-                raise ValueError("heartbeat_ms is for a colocated request: it needs prompt_token_ids")
-            if 0 < request.heartbeat_ms < MIN_HEARTBEAT_MS:
-                raise ValueError(f"heartbeat_ms {request.heartbeat_ms}: must be 0 (none) or >= {MIN_HEARTBEAT_MS}")
-            if request.tpot_target_ms > MAX_TPOT_TARGET_MS:
-                raise ValueError(f"tpot_target_ms {request.tpot_target_ms}: must be at most {MAX_TPOT_TARGET_MS}")
-            sampling = sampling_from_pb(request.sampling)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return DecodeParams(request.request_id, request.prompt_tokens, request.max_tokens, sampling,
-                            request.ignore_eos, tuple(request.prompt_token_ids), request.decoded_tokens,
-                            request.cache_salt, request.heartbeat_ms, request.tpot_target_ms)
-
 
 async def serve(config: DecodeConfig) -> None:
     segments.remove_orphans()  # segments a killed worker left in /dev/shm
     runner = await asyncio.to_thread(config.model.load)
     await asyncio.to_thread(warm_up, runner)
     servicer = DecodeServicer(config, runner)
-    await asyncio.to_thread(servicer.engine.calibrate)
+    await servicer.client.calibrate()
     servicer.engine.start()
 
     service = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
@@ -367,7 +241,7 @@ async def serve(config: DecodeConfig) -> None:
         control.update(kv)
 
     async def shutdown() -> None:
-        await asyncio.to_thread(servicer.engine.close)
+        await servicer.client.close()
         servicer.lender.close()
 
     await serving.serve("decode", config.server, registering(control), shutdown, servicer.metrics, announce, also,

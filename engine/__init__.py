@@ -6,5 +6,6 @@
 - sequence.py: a request as the decode batch sees it;
 - batch.py: the continuous decode batch over the paged KV cache;
 - core.py: the loop, configured by role (a prefill worker runs prompts only; a decode worker runs its batch and
-  the colocated prompts between steps).
+  the colocated prompts between steps);
+- client.py: the services' side of it: every hop between the engine thread and a servicer's event loop.
 """

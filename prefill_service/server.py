@@ -2,14 +2,15 @@
 
 Life of a request here:
 1. Prefill arrives from the gateway with the prompt's token ids and a decode reservation (address + token).
-2. It waits in the engine's queue (engine.py): short prompts share batched passes, long ones run in chunks that
-   take turns with them, and a prompt that would overflow the queue's token budget is refused. Meanwhile this
-   worker renews the decode reservation's lease (RenewLease) while its engine moves, so a long queue never ends it.
+2. It waits in the engine's queue (engine/prompts.py): short prompts share batched passes, long ones run in chunks
+   that take turns with them, and a prompt that would overflow the queue's token budget is refused. Meanwhile this
+   worker renews the decode reservation's lease (RenewLease, lease.py) while its engine moves, so a long queue never
+   ends it.
 3. The forward pass runs; as each layer finishes (in the prompt's last pass), its KV is handed to the event
-   loop, which streams it to the decode worker (TransferKV: header, chunks, ...) while later layers still
-   compute. When decode lent a shared-memory segment this worker can open (same host), the bytes go there and
-   the stream carries only descriptors and checksums; a prompt with a pass to itself is computed straight into
-   the segment, so its KV is not even copied.
+   loop (engine/client.py), which streams it to the decode worker (TransferKV: header, chunks, ...; kv_push.py)
+   while later layers still compute. When decode lent a shared-memory segment this worker can open (same host),
+   the bytes go there and the stream carries only descriptors and checksums; a prompt with a pass to itself is
+   computed straight into the segment, so its KV is not even copied.
 4. The first token is sampled from the last position and sent to the gateway at once (TTFT does not wait for
    the transfer); the KV stream is closed with a trailer that carries it.
 5. Decode acknowledges: the call ends with TransferDone. A refused transfer ends the call with decode's status;
@@ -27,13 +28,12 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
-import torch
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
+from engine.client import EngineClient
 from engine.core import EngineCore
-from engine.prompts import Abandoned, Prefilled, PromptJob, QueueFull
-from engine.validation import check_decoded, check_prompt
+from engine.prompts import Abandoned, QueueFull
 from kv_wire.layout import KVLayout
 from kv_wire.segments import SegmentMaps
 from kv_wire.sender import KVSender
@@ -42,16 +42,14 @@ from model_runner.loading import LoadedModel
 from model_runner.prefix_cache import PrefixCache
 from prefill_service.config import PrefillConfig
 from prefill_service.kv_push import DecodeChannels, KVPush
-from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, worker_pb2
-from protos.convert import model_info, sampling_from_pb
-from protos.types import SamplingParams, check_cache_salt
+from prefill_service.lease import renew_lease
+from prefill_service.metrics import prefill_metrics, record_prefill
+from prefill_service.validation import checked_prompt
+from protos import prefill_pb2, prefill_pb2_grpc, worker_pb2
+from protos.convert import model_info
 from serving import logs, tracing
 from serving import server as serving
-from serving.metrics import Metrics
-from serving.server import (
-    CHANNEL_KEEPALIVE,
-    MESSAGE_LIMITS,
-)
+from serving.server import CHANNEL_KEEPALIVE, MESSAGE_LIMITS
 from serving.tls import aio_channel, require_peer
 
 log = logging.getLogger(__name__)
@@ -69,35 +67,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                  max_queued_tokens=config.max_queued_tokens, layer_streaming=config.layer_streaming,
                                  prefix_cache=self.prefix_cache)
         self.engine.start()
+        self.client = EngineClient(self.engine)  # the engine thread's hops to this event loop
         self._channels = DecodeChannels(lambda address: aio_channel(
             address, config.server.tls, [*MESSAGE_LIMITS, *CHANNEL_KEEPALIVE], expect="decode"))
         self._segments = SegmentMaps()
-        self.metrics = Metrics(
-            gauges={"pdserve_live_prefills": ("prompts queued or running", lambda: self.engine.live_jobs),
-                    "pdserve_queued_tokens": ("prompt tokens queued or running", lambda: self.engine.queued_tokens),
-                    "pdserve_num_requests_waiting": ("prompts queued", lambda: self.engine.waiting),
-                    "pdserve_num_requests_running": ("prompts in the forward pass under way",
-                                                     lambda: self.engine.live_jobs - self.engine.waiting),
-                    "pdserve_mapped_segment_bytes": ("decode workers' shared-memory segments mapped here, for reuse",
-                                                     lambda: self._segments.mapped_bytes),
-                    "pdserve_prefix_cache_bytes": ("KV bytes held by the prefix cache",
-                                                   lambda: self.prefix_cache.bytes if self.prefix_cache else 0),
-                    "pdserve_prefix_cache_pool_bytes": (
-                        "the prefix cache's pool as far as it has been written (resident; at most --prefix-cache-mb)",
-                        lambda: self.prefix_cache.pool_bytes if self.prefix_cache else 0),
-                    "pdserve_prefix_cache_blocks": ("prefix blocks cached",
-                                                    lambda: len(self.prefix_cache) if self.prefix_cache else 0)},
-            counters={"pdserve_cancellations": "prefills whose caller cancelled or left mid-request",
-                      "pdserve_rejections": "prompts refused: the queue's token budget was full",
-                      "pdserve_prompt_tokens": "prompt tokens prefilled",
-                      "pdserve_prefill_computed_tokens": "prompt tokens the forward pass ran (cached ones excluded)",
-                      "pdserve_prefix_cache_queries": "prompt tokens looked up in the prefix cache",
-                      "pdserve_prefix_cache_hits": "prompt tokens whose KV the prefix cache held",
-                      "pdserve_kv_transfer_bytes": "KV bytes sent, by path (grpc, shm)",
-                      "pdserve_kv_transfer_failures": "KV transfers refused or broken, by path"},
-            histograms={"pdserve_request_queue_time_seconds": "arrival to the prompt's first forward pass",
-                        "pdserve_request_prefill_time_seconds": "the prompt's forward passes, first to last",
-                        "pdserve_kv_transfer_seconds": "first KV layer sent to decode's acknowledgement, by path"})
+        self.metrics = prefill_metrics(self.engine, self._segments, self.prefix_cache)
 
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -120,8 +94,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def _prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[prefill_pb2.PrefillEvent, None]:
-        token_ids, sampling = await self._validate(request, context)
-        loop = asyncio.get_running_loop()
+        try:
+            token_ids, sampling = checked_prompt(self.spec, request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         spec = self.spec
         layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, len(token_ids),
                           self.config.wire_dtype or spec.dtype)
@@ -136,29 +112,20 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                               self.config.chunk_bytes, trace_context=tracing.carrier(), segment=segment)
         abandon = threading.Event()
         push = KVPush(self._channels.acquire(request.decode_address), sender, abandon)  # released in finally
-
-        def deliver(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:  # engine thread
-            loop.call_soon_threadsafe(push.deliver, (layer, keys, values))
-
-        result: asyncio.Future[Prefilled] = loop.create_future()
-
-        def finish(outcome: Prefilled | BaseException) -> None:  # engine thread
-            loop.call_soon_threadsafe(_settle, result, outcome)
-
-        job = PromptJob(token_ids, sampling, deliver, finish, abandon, kv_home=home, decoded=request.decoded_tokens,
-                        cache_salt=request.cache_salt)
         arrived = time.perf_counter()
         renewing: asyncio.Future | None = None
         try:
             try:
-                self.engine.submit(job)
+                result = self.client.prefill(token_ids, sampling, push.deliver, abandon, kv_home=home,
+                                             decoded=request.decoded_tokens, cache_salt=request.cache_salt)
             except QueueFull as exc:
                 self.metrics.count("pdserve_rejections")
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             except Abandoned as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             if request.lease_ms:
-                renewing = asyncio.ensure_future(self._renew_lease(request, push, result))
+                renewing = asyncio.ensure_future(renew_lease(request, self._channels, push, result,
+                                                             self.engine.stalled, self.config.server.stall_s))
             try:
                 prefilled = await result
             except Abandoned:
@@ -167,7 +134,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             except Exception as exc:  # its pass, or sampling its first token, failed: logged by the engine
                 await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {type(exc).__name__}: {exc}")
             started, ended = prefilled.started, prefilled.ended
-            self._record(arrived, prefilled, len(token_ids))
+            record_prefill(self.metrics, arrived, prefilled, len(token_ids), self.prefix_cache)
             yield prefill_pb2.PrefillEvent(first_token=prefill_pb2.FirstToken(
                 token_id=prefilled.first_token, queue_ms=(started - arrived) * 1e3,
                 forward_ms=(ended - started) * 1e3, cached_tokens=prefilled.cached_tokens))
@@ -198,45 +165,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             send_span.end()
             self.metrics.count("pdserve_kv_transfer_bytes", sender.bytes_sent, path=sender.transport)
 
-    def _record(self, arrived: float, prefilled: Prefilled, prompt_tokens: int) -> None:
-        """The prompt's wait and forward passes: child spans of the current (prefill) span, and histograms."""
-        cached = prefilled.cached_tokens
-        tracing.record("prefill.queue", None, arrived, prefilled.started)
-        tracing.record("prefill.forward", None, prefilled.started, prefilled.ended,
-                       {"pdserve.batch_size": prefilled.batch_size, "pdserve.passes": prefilled.passes,
-                        "pdserve.prompt_tokens": prompt_tokens, "pdserve.cached_tokens": cached})
-        span = trace.get_current_span()
-        span.set_attributes({"pdserve.cached_tokens": cached, "pdserve.prefix_cache": "hit" if cached else "miss"})
-        self.metrics.observe("pdserve_request_queue_time_seconds", prefilled.started - arrived)
-        self.metrics.observe("pdserve_request_prefill_time_seconds", prefilled.ended - prefilled.started)
-        self.metrics.count("pdserve_prompt_tokens", prompt_tokens)
-        self.metrics.count("pdserve_prefill_computed_tokens", prompt_tokens - cached)
-        if self.prefix_cache is not None:
-            self.metrics.count("pdserve_prefix_cache_queries", prompt_tokens)
-            self.metrics.count("pdserve_prefix_cache_hits", cached)
-
-    async def _renew_lease(self, request: prefill_pb2.PrefillRequest, push: KVPush, result: asyncio.Future) -> None:
-        """Step 2's wait may outlast decode's lease: renew it at once (the lease began at decode's reservation,
-        before this call reached prefill) and then every third of a lease until the KV stream opens (its messages
-        renew it then), while the engine moves. A frozen or stuck worker (past the watchdog's --stall-s) stops
-        renewing, so the lease still ends when no KV can come."""
-        period = request.lease_ms / 3e3
-        renewal = decode_pb2.LeaseRenewal(request_id=request.request_id, reservation_token=request.reservation_token)
-        stub = decode_pb2_grpc.DecodeStub(self._channels.acquire(request.decode_address))
-        try:
-            while not (result.done() or push.call is not None):
-                if self.engine.stalled() <= self.config.server.stall_s:
-                    try:  # a renewal that lands late still extends the lease: wait for it up to a whole lease
-                        await stub.RenewLease(renewal, timeout=request.lease_ms / 1e3)
-                    except grpc.aio.AioRpcError as exc:
-                        if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION):
-                            return  # released or expired: decode fails the request, and the gateway cancels this
-                        log.warning("renewing the lease at decode worker %s failed, %s: %s",
-                                    request.decode_address, exc.code().name, exc.details())
-                await asyncio.sleep(period)
-        finally:
-            self._channels.release(request.decode_address)
-
     async def _transfer_result(self, push: KVPush, address: str, context: grpc.aio.ServicerContext) -> None:
         """Wait for decode's acknowledgement; a refused or broken transfer ends this call with its status."""
         if push.call is None:
@@ -254,25 +182,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self.metrics.count("pdserve_kv_transfer_failures", path=push.sender.transport)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer to decode worker {address} was cancelled")
 
-    async def _validate(
-        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
-    ) -> tuple[list[int], SamplingParams]:
-        token_ids = list(request.token_ids)
-        try:
-            check_prompt(self.spec, len(token_ids), 1, token_ids)  # the one token prefill generates: the first
-            check_decoded(len(token_ids), request.decoded_tokens)
-            check_cache_salt(request.cache_salt)
-            if not request.decode_address or not request.reservation_token:
-                raise ValueError("decode_address and reservation_token are required")
-            sampling = sampling_from_pb(request.sampling)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return token_ids, sampling
-
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        """The channel to the decode worker a request in _prefill acquired, for its other calls to it."""
-        return self._channels.held(address)
-
     async def GetInfo(
         self, request: worker_pb2.WorkerInfoRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerInfo:
@@ -284,23 +193,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def close(self) -> None:
         await self._channels.close()
         self._segments.close()
-        await asyncio.to_thread(self.engine.close)
-
-
-def _settle(result: asyncio.Future[Prefilled], outcome: Prefilled | BaseException) -> None:
-    if result.done():  # the handler already left
-        return
-    if isinstance(outcome, BaseException):
-        result.set_exception(outcome)
-    else:
-        result.set_result(outcome)
+        await self.client.close()
 
 
 async def serve(config: PrefillConfig) -> None:
     runner = await asyncio.to_thread(config.model.load)
     await asyncio.to_thread(forward.warm_up, runner)
     servicer = PrefillServicer(config, runner)
-    await asyncio.to_thread(servicer.engine.calibrate)
+    await servicer.client.calibrate()
 
     def register(server: grpc.aio.Server) -> list[str]:
         prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
