@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from engine.settings import WorkerSettings
 from kv_wire.layout import MAX_CHUNK_BYTES
 from model_runner.loading import ModelConfig
+from protos.types import ModelSpec
 from serving.server import MAX_MESSAGE_BYTES, ServerConfig
 from serving.settings import check_settings, setting
 
@@ -60,6 +61,12 @@ class DecodeConfig(WorkerSettings):
     kv_port: int = setting(
         -1, "serve TransferKV (the KV stream from prefill) on this port of its own, so a network policy can open it "
         "to prefill workers only; 0 picks a free one; -1 serves it on --port", low=-1, high=65535)
+
+    def kv_budget_bytes(self, spec: ModelSpec) -> int:
+        """What reservations may draw on: --kv-budget-mb, or the default capped by --max-seqs full contexts."""
+        budget = int((self.kv_budget_mb or DEFAULT_KV_BUDGET_MB) * (1 << 20))
+        return budget if self.kv_budget_mb else min(self.max_seqs * spec.max_model_len * spec.kv_bytes_per_token,
+                                                    budget)
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -26,12 +26,13 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 from opentelemetry.trace import SpanKind
 
-from decode_service.config import DEFAULT_KV_BUDGET_MB, DecodeConfig
+from decode_service.config import DecodeConfig
+from decode_service.handlers import control_handlers, kv_handlers, registering
 from decode_service.inbox import KVInbox
 from decode_service.lending import SegmentLender
 from decode_service.metrics import decode_metrics, observe_interval, observe_step, record_sequence
@@ -41,14 +42,14 @@ from decode_service.validation import decode_params
 from engine.client import EngineClient
 from engine.core import EngineCore
 from engine.sequence import Sequence
-from kv_wire import codec, segments
+from kv_wire import segments
 from kv_wire.layout import KVTransferError
 from kv_wire.receiver import ReceivedKV
 from kv_wire.segments import SegmentPool
 from model_runner.forward import warm_up
 from model_runner.loading import LoadedModel
 from model_runner.paged_cache import BLOCK_SIZE
-from protos import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, worker_pb2
+from protos import decode_pb2, decode_pb2_grpc, worker_pb2
 from protos.convert import model_info
 from serving import logs, tracing
 from serving import server as serving
@@ -63,9 +64,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.config = config
         self.spec = spec
         self.kv_port = 0  # TransferKV's own port, once listening; 0: the main port
-        full = config.max_seqs * spec.max_model_len * spec.kv_bytes_per_token
-        budget = int((config.kv_budget_mb or DEFAULT_KV_BUDGET_MB) * (1 << 20))
-        budget = budget if config.kv_budget_mb else min(full, budget)
+        budget = config.kv_budget_bytes(spec)
         self.table = ReservationTable(config.max_seqs, budget, spec.kv_bytes_per_token, config.lease_s)
         # Every reservation's blocks fit: the budget in whole blocks, plus a partly used last block per sequence.
         blocks = budget // (BLOCK_SIZE * spec.kv_bytes_per_token) + config.max_seqs
@@ -207,30 +206,7 @@ async def serve(config: DecodeConfig) -> None:
     await servicer.client.calibrate()
     servicer.engine.start()
 
-    service = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
-    # The generated registration, except that TransferKV decodes its chunks as views (kv_wire.codec).
-    control = {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            servicer.Generate, request_deserializer=decode_pb2.DecodeRequest.FromString,
-            response_serializer=decode_pb2.DecodeEvent.SerializeToString),
-        "GetInfo": grpc.unary_unary_rpc_method_handler(
-            servicer.GetInfo, request_deserializer=worker_pb2.WorkerInfoRequest.FromString,
-            response_serializer=worker_pb2.WorkerInfo.SerializeToString),
-    }
-    kv = {"TransferKV": grpc.stream_unary_rpc_method_handler(
-        servicer.inbox.TransferKV, request_deserializer=codec.decode,
-        response_serializer=kv_transfer_pb2.KVTransferAck.SerializeToString),
-        # beside TransferKV: the prefill worker that will send the KV renews the lease
-        "RenewLease": grpc.unary_unary_rpc_method_handler(
-            servicer.RenewLease, request_deserializer=decode_pb2.LeaseRenewal.FromString,
-            response_serializer=decode_pb2.LeaseRenewed.SerializeToString)}
-
-    def registering(handlers: dict[str, grpc.RpcMethodHandler]) -> Callable[[grpc.aio.Server], list[str]]:
-        def register(server: grpc.aio.Server) -> list[str]:
-            server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, handlers)])
-            return [service]
-
-        return register
+    control, kv = control_handlers(servicer), kv_handlers(servicer)
 
     also, announce = None, {}
     if config.kv_port >= 0:  # TransferKV on a port of its own, which a network policy can open to prefill only
