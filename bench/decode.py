@@ -43,6 +43,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", type=int, default=512, help="tokens already cached per sequence")
     parser.add_argument("--dtype", default="bfloat16,float32", help="dtypes to measure, the first is the headline")
     parser.add_argument("--runner", default="fast,hf", help="runners to measure (model_runner/loading.RUNNERS)")
+    parser.add_argument("--layers", default="fused", help="the fast runner's decode step on the CPU: its layers in "
+                        "one C++ call (fused), the same kernels called layer by layer from Python (python), or "
+                        "both, measured in alternating rounds on one loaded model (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, as a decode worker of `pdserve "
                         "cluster` gets on 2 cores (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per dtype (after 3 warm-up steps)")
@@ -79,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
                                          runner=name).load()
                 # a GPU multiplies each dtype at its own rate; the CPU kernels multiply bfloat16 in float32
                 rate = rates[dtype] if device.type == "cuda" else matmul_gflops
-                variants.append({"model": model, "matmul_gflops": rate, **_measure(runner, args, read_gbps, rate)})
+                variants += [{"model": model, "matmul_gflops": rate, **measured}
+                             for measured in _measure_layers(runner, args, read_gbps, rate)]
                 del runner
                 print(f"bench decode: {model} {name} {dtype} done", file=sys.stderr, flush=True)
     head = variants[0]
@@ -177,6 +181,49 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
+LAYERS = ("fused", "python")
+
+
+def _measure_layers(runner: LoadedModel, args: argparse.Namespace, read_gbps: float,
+                    matmul_gflops: float) -> list[dict[str, Any]]:
+    """One variant per --layers choice the runner has. Where it has both, they take turns over two rounds on the
+    same model (a noisy machine drifts between minutes, not between alternating rounds), each round's steps
+    continuing the same sequences, and each keeps the median of its steps of both rounds; `same_tokens` says
+    whether the two paths picked the same greedy tokens at every step (they run the same kernels in the same
+    order)."""
+    asked = args.layers.split(",")
+    if unknown := set(asked) - set(LAYERS):
+        raise SystemExit(f"bench decode: --layers {', '.join(sorted(unknown))}: expected some of {', '.join(LAYERS)}")
+    fused = runner.fast._layer_weights if runner.fast is not None else None
+    if fused is None or runner.device.type != "cpu":  # one path only: the reference runner, or not the CPU kernels
+        alone = _measure(runner, args, read_gbps, matmul_gflops)
+        del alone["tokens"]
+        return [{"layers": "python" if runner.fast is not None else "", **alone}]
+    runs: dict[str, list[dict[str, Any]]] = {layers: [] for layers in asked}
+    try:
+        for _ in range(2 if len(asked) > 1 else 1):
+            for layers in asked:
+                runner.fast._layer_weights = fused if layers == "fused" else None
+                runs[layers].append(_measure(runner, args, read_gbps, matmul_gflops))
+    finally:
+        runner.fast._layer_weights = fused
+    variants = []
+    for layers, measured in runs.items():
+        merged = measured[0] | {"layers": layers}
+        merged["step_ms_samples"] = [t for run in measured for t in run["step_ms_samples"]]
+        merged["step_ms"] = statistics.median(merged["step_ms_samples"])
+        merged["step_over_floor"] = merged["step_ms"] / merged["floor_ms"]
+        merged["step_over_compute_floor"] = merged["step_ms"] / merged["compute_floor_ms"]
+        merged["tokens_per_s"] = args.batch / merged["step_ms"] * 1e3
+        variants.append(merged)
+    same = len({repr([run["tokens"] for run in measured]) for measured in runs.values()}) == 1
+    for variant in variants:
+        del variant["tokens"]
+        if len(runs) > 1:
+            variant["same_tokens"] = same
+    return variants
+
+
 def _measure(runner: LoadedModel, args: argparse.Namespace, read_gbps: float, matmul_gflops: float) -> dict[str, Any]:
     spec = runner.spec
     tokens_each = args.context + args.steps + 8
@@ -190,7 +237,7 @@ def _measure(runner: LoadedModel, args: argparse.Namespace, read_gbps: float, ma
     per = cache.num_blocks // args.batch
     tables = [order[i * per : (i + 1) * per] for i in range(args.batch)]
     tokens = torch.randint(0, spec.vocab_size, (args.batch,), generator=generator, device=runner.device).tolist()
-    times = []
+    times, picked = [], []
     for step in range(args.steps + 3):
         positions = [args.context + step] * args.batch
         started = time.perf_counter()
@@ -198,6 +245,7 @@ def _measure(runner: LoadedModel, args: argparse.Namespace, read_gbps: float, ma
         tokens = _greedy(logits)
         if step >= 3:
             times.append(time.perf_counter() - started)
+        picked.append(tokens)
     weight_bytes = runner.fast.weight_bytes() if runner.fast is not None else sum(
         {p.data_ptr(): p.numel() * p.element_size() for p in runner.model.parameters()}.values())
     kv_bytes = args.batch * (args.context + args.steps // 2) * spec.kv_bytes_per_token  # the mean step's reads
@@ -214,18 +262,19 @@ def _measure(runner: LoadedModel, args: argparse.Namespace, read_gbps: float, ma
             "step_over_floor": step_ms / floor_ms, "compute_floor_ms": compute_floor_ms,
             "step_over_compute_floor": step_ms / compute_floor_ms, "gflop_per_step": flops / 1e9,
             "weight_bytes": weight_bytes, "kv_bytes_per_step": kv_bytes,
-            "tokens_per_s": args.batch / step_ms * 1e3, "step_ms_samples": [t * 1e3 for t in times]}
+            "tokens_per_s": args.batch / step_ms * 1e3, "step_ms_samples": [t * 1e3 for t in times],
+            "tokens": picked}
 
 
 def _table(result: dict[str, Any]) -> str:
     lines = [f"Decode step on {result.get('device', 'cpu')} at batch {result['batch']}, {result['context']} cached "
              f"tokens each, {result['threads']} thread(s); read bandwidth {result['read_gbps']:.1f} GB/s, matmul "
              f"{result['matmul_gflops']:.0f} GFLOP/s",
-             f"{'model':>16} {'runner':>6} {'dtype':>9} {'step ms':>8} {'floor ms':>9} {'step/floor':>10} "
+             f"{'model':>16} {'runner':>6} {'layers':>6} {'dtype':>9} {'step ms':>8} {'floor ms':>9} {'step/floor':>10} "
              f"{'compute floor':>13} {'step/compute':>12} {'tok/s':>7} {'weights MB':>10} {'KV MB':>6}"]
     for v in result["variants"]:
         model = Path(v.get("model", "")).name[-16:]
-        lines.append(f"{model:>16} {v['runner']:>6} {v['dtype']:>9} {v['step_ms']:>8.2f} {v['floor_ms']:>9.2f} "
+        lines.append(f"{model:>16} {v['runner']:>6} {v.get('layers', ''):>6} {v['dtype']:>9} {v['step_ms']:>8.2f} {v['floor_ms']:>9.2f} "
                      f"{v['step_over_floor']:>9.2f}x {v['compute_floor_ms']:>13.2f} "
                      f"{v['step_over_compute_floor']:>11.2f}x "
                      f"{v['tokens_per_s']:>7.1f} {v['weight_bytes'] / 1e6:>10.0f} {v['kv_bytes_per_step'] / 1e6:>6.0f}")

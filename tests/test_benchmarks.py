@@ -49,6 +49,18 @@ def test_bench_decode_reports_step_and_floor(tiny_model_dir: Path, tmp_path: Pat
     assert (tmp_path / "decode.json").exists()
 
 
+def test_bench_decode_times_the_fused_and_the_python_layer_loop_on_one_model(tiny_model_dir: Path,
+                                                                             tmp_path: Path) -> None:
+    result = _bench("decode", "--model", str(tiny_model_dir), "--batch", "2", "--context", "16", "--steps", "2",
+                    "--dtype", "float32", "--runner", "fast", "--layers", "fused,python", "--out", str(tmp_path))
+    variants = result["variants"]
+    assert [v["layers"] for v in variants] == ["fused", "python"]
+    for variant in variants:  # two alternating rounds of 2 timed steps each, and the same greedy picks
+        assert len(variant["step_ms_samples"]) == 4 and variant["step_ms"] > 0 and variant["same_tokens"] is True
+        assert "tokens" not in variant
+    assert result["step_ms"] == variants[0]["step_ms"]
+
+
 def test_bench_prefill_reports_batching_speedup_and_chunking_cost(tiny_model_dir: Path, tmp_path: Path) -> None:
     result = _bench("prefill", "--model", str(tiny_model_dir), "--lengths", "8,16", "--long", "40", "--chunks",
                     "16", "--repeats", "1", "--out", str(tmp_path))
