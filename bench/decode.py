@@ -270,11 +270,13 @@ def _table(result: dict[str, Any]) -> str:
     lines = [f"Decode step on {result.get('device', 'cpu')} at batch {result['batch']}, {result['context']} cached "
              f"tokens each, {result['threads']} thread(s); read bandwidth {result['read_gbps']:.1f} GB/s, matmul "
              f"{result['matmul_gflops']:.0f} GFLOP/s",
-             f"{'model':>16} {'runner':>6} {'layers':>6} {'dtype':>9} {'step ms':>8} {'floor ms':>9} {'step/floor':>10} "
+             f"{'model':>16} {'runner':>6} {'layers':>6} {'dtype':>9} {'step ms':>8} {'floor ms':>9} "
+             f"{'step/floor':>10} "
              f"{'compute floor':>13} {'step/compute':>12} {'tok/s':>7} {'weights MB':>10} {'KV MB':>6}"]
     for v in result["variants"]:
         model = Path(v.get("model", "")).name[-16:]
-        lines.append(f"{model:>16} {v['runner']:>6} {v.get('layers', ''):>6} {v['dtype']:>9} {v['step_ms']:>8.2f} {v['floor_ms']:>9.2f} "
+        lines.append(f"{model:>16} {v['runner']:>6} {v.get('layers', ''):>6} {v['dtype']:>9} {v['step_ms']:>8.2f} "
+                     f"{v['floor_ms']:>9.2f} "
                      f"{v['step_over_floor']:>9.2f}x {v['compute_floor_ms']:>13.2f} "
                      f"{v['step_over_compute_floor']:>11.2f}x "
                      f"{v['tokens_per_s']:>7.1f} {v['weight_bytes'] / 1e6:>10.0f} {v['kv_bytes_per_step'] / 1e6:>6.0f}")
