@@ -306,10 +306,7 @@ def _timing(timings: Timings, arrived: float, first_at: float, generated: int) -
     now = time.perf_counter()
     decode_s = now - first_at
     return Timing(
-        ttft_ms=(first_at - arrived) * 1e3, reserve_ms=timings.reserve_ms, prefill_queue_ms=timings.prefill_queue_ms,
-        prefill_ms=timings.prefill_ms, kv_exposed_ms=timings.kv_exposed_ms, kv_transfer_ms=timings.kv_transfer_ms,
-        kv_bytes=timings.kv_bytes, kv_transport=timings.kv_transport, retries=timings.retries,
-        migrations=timings.migrations, placement=timings.placement, placement_reason=timings.placement_reason,
+        **timings.hops(), ttft_ms=(first_at - arrived) * 1e3,
         predicted_ttft_ms=(timings.predicted_ttft_s or 0.0) * 1e3, placed_ttft_ms=(timings.attempt_ttft_s or 0.0) * 1e3,
         decode_tokens_per_s=(generated - 1) / decode_s if generated > 1 and decode_s else 0,
         total_ms=(now - arrived) * 1e3)

@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 
 from gateway.errors import GatewayError, NoDecodeCapacity
+from gateway.messages import HopTimes
 from gateway.request import GenerateParams
 from gateway.workers import PairBreakers, Pool, Worker
 from protos import decode_pb2, prefill_pb2
@@ -50,21 +51,10 @@ class Tokens:
 
 
 @dataclass
-class Timings:
-    """Milliseconds unless named otherwise; filled in as the journey reaches each point."""
+class Timings(HopTimes):
+    """The journey's figures as it goes (HopTimes), and what only the gateway keeps."""
 
-    reserve_ms: float = 0.0
-    prefill_queue_ms: float = 0.0
-    prefill_ms: float = 0.0
-    kv_exposed_ms: float = 0.0
-    kv_transfer_ms: float = 0.0
-    kv_bytes: int = 0
-    kv_transport: str = ""
-    retries: int = 0
-    migrations: int = 0
     cached_tokens: int = 0  # prompt tokens the prefill worker's prefix cache held
-    placement: str = ""  # where the last attempt's prompt ran: "prefill" or "colocated"
-    placement_reason: str = ""  # why: the options the model predicted, or the threshold that decided
     predicted_ttft_s: float | None = None  # the model's TTFT for the last attempt's choice (None: not by the model)
     attempt_ttft_s: float | None = None  # the first token's time since that attempt began
 

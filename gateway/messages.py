@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from protos import gateway_pb2
 
@@ -64,26 +65,38 @@ class Usage:
     cached_tokens: int = 0  # prompt tokens whose KV a prefill worker reused from its prefix cache
 
 
-@dataclass(frozen=True)
-class Timing:
-    """Where a finished request's time went (gateway.proto Timing: the same fields), milliseconds unless named."""
+@dataclass
+class HopTimes:
+    """What a request's journey through the workers took (journey.py fills them in as it reaches each point):
+    milliseconds unless named, as both the journey's accumulator and the answer's Timing hold them."""
 
-    ttft_ms: float = 0.0
     reserve_ms: float = 0.0
     prefill_queue_ms: float = 0.0
     prefill_ms: float = 0.0
     kv_exposed_ms: float = 0.0
     kv_transfer_ms: float = 0.0
     kv_bytes: int = 0
-    decode_tokens_per_s: float = 0.0
-    total_ms: float = 0.0
     kv_transport: str = ""
     retries: int = 0
     migrations: int = 0
-    placement: str = ""
-    placement_reason: str = ""
-    predicted_ttft_ms: float = 0.0
-    placed_ttft_ms: float = 0.0
+    placement: str = ""  # where the last attempt's prompt ran: "prefill" or "colocated"
+    placement_reason: str = ""  # why: the options the model predicted, or the threshold that decided
+
+    def hops(self) -> dict[str, Any]:
+        """These fields alone (not a subclass's)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(HopTimes)}
+
+
+@dataclass
+class Timing(HopTimes):
+    """Where a finished request's time went (gateway.proto Timing: the same fields): the journey's hops and the
+    request's own figures."""
+
+    ttft_ms: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    total_ms: float = 0.0
+    predicted_ttft_ms: float = 0.0  # the placement model's TTFT for the last attempt's choice (0: not by the model)
+    placed_ttft_ms: float = 0.0  # the first token's time since that attempt began
 
 
 @dataclass(frozen=True)
