@@ -221,7 +221,16 @@ def send(port):  # HTTP/2 by hand: grpcio's clients refuse to send metadata that
     sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0, b"") + frame(1, 4, 1, headers)
                  + frame(0, 1, 1, b"\x00" + struct.pack(">I", len(body)) + body))
     sock.settimeout(30)
-    sock.recv(65536)  # the status
+    data = b""
+    while True:  # the frames until the stream's trailers (HEADERS with END_STREAM): the call is over
+        while len(data) < 9:
+            data += sock.recv(65536) or sys.exit("connection closed before the status")
+        size, kind, flags, stream = int.from_bytes(data[:3], "big"), data[3], data[4], data[5:9]
+        while len(data) < 9 + size:
+            data += sock.recv(65536) or sys.exit("connection closed mid-frame")
+        data = data[9 + size:]
+        if kind == 1 and flags & 1 and int.from_bytes(stream, "big") == 1:
+            break
     sock.close()
 
 async def main():
@@ -230,7 +239,7 @@ async def main():
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     await asyncio.to_thread(send, port)
-    await server.stop(0)
+    await server.stop(5)  # the call is over: nothing in flight for the loop's exit to cancel (grpcio prints that)
     logs.logging.getLogger("check").info("done")
 
 asyncio.run(main())
