@@ -79,7 +79,7 @@ class KVInbox:
                 reservation = self.table.claim(header.request_id, header.reservation_token)
                 reservation.transfer = asyncio.current_task()  # released mid-stream: this handler is cancelled
                 deadline.reschedule(reservation.loop_expiry())
-                receiver.accept_header(header, reservation.params.prompt_tokens, reservation.segment)
+                receiver.accept_header(header, reservation.params.kv_tokens, reservation.segment)
                 received = await self._receive(request_iterator, receiver, reservation, deadline)
         except KVTransferError as exc:
             await self._refuse(context, reservation, receiver, exc.code, str(exc))

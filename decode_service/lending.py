@@ -38,7 +38,7 @@ class SegmentLender:
             return
         pool = self.pool
         acquiring = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(
-            pool.maker, pool.acquire, reservation.params.prompt_tokens * self.kv_bytes_per_token))
+            pool.maker, pool.acquire, reservation.params.kv_tokens * self.kv_bytes_per_token))
         try:
             segment = await asyncio.shield(acquiring)
         except asyncio.CancelledError:

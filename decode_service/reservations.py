@@ -50,6 +50,13 @@ class DecodeParams:
     cache_salt: str = ""  # colocated: its prompt's prefix-cache namespace
     heartbeat_ms: int = 0  # colocated: a `prefilling` event this often until the first token (0: none)
     tpot_target_ms: int = 0  # the time between tokens it asks for (0: none): bounds the colocated passes' budget
+    split_tokens: int = 0  # split prefill: the prompt's first tokens, whose KV a prefill worker sends (0: none)
+
+    @property
+    def kv_tokens(self) -> int:
+        """Prompt tokens whose KV comes over TransferKV: all of them, those of a split prefill's prefix, or none
+        (colocated: but a reservation's token admits no stream then, as nothing is lent or awaited)."""
+        return self.split_tokens or self.prompt_tokens
 
 @dataclass(frozen=True)
 class Failure:
@@ -67,6 +74,7 @@ class Reservation:
     sequence: Any = None  # the engine's Sequence once admitted
     segment: Segment | None = None  # shared-memory segment lent to prefill until the KV is admitted
     transfer: asyncio.Task | None = None  # the TransferKV handler that claimed this reservation
+    feed: Any = None  # split prefill: the engine's PrefixFeed, which the KV stream fills layer by layer
     # What the Generate stream relays: (token_ids, finish_reason) tuples or one Failure.
     events: asyncio.Queue[tuple[list[int], str] | Failure] = field(default_factory=asyncio.Queue)
 

@@ -29,7 +29,14 @@ def decode_params(spec: ModelSpec, request: decode_pb2.DecodeRequest) -> DecodeP
         raise ValueError(f"heartbeat_ms {request.heartbeat_ms}: must be 0 (none) or >= {MIN_HEARTBEAT_MS}")
     if request.tpot_target_ms > MAX_TPOT_TARGET_MS:
         raise ValueError(f"tpot_target_ms {request.tpot_target_ms}: must be at most {MAX_TPOT_TARGET_MS}")
+    if request.split_tokens and not request.prompt_token_ids:
+        raise ValueError("split_tokens is for a colocated request: it needs prompt_token_ids")
+    if request.split_tokens and not request.split_tokens < request.prompt_tokens:
+        raise ValueError(f"split_tokens {request.split_tokens}: must be less than prompt_tokens "
+                         f"{request.prompt_tokens} (this worker prefills the rest)")
+    if request.split_tokens and request.decoded_tokens:
+        raise ValueError("split_tokens and decoded_tokens: a migrated stream's prompt is not split")
     sampling = sampling_from_pb(request.sampling)
     return DecodeParams(request.request_id, request.prompt_tokens, request.max_tokens, sampling,
                         request.ignore_eos, tuple(request.prompt_token_ids), request.decoded_tokens,
-                        request.cache_salt, request.heartbeat_ms, request.tpot_target_ms)
+                        request.cache_salt, request.heartbeat_ms, request.tpot_target_ms, request.split_tokens)

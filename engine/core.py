@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 
 from engine.batch import DecodeBatch
-from engine.prompts import Abandoned, Prefilled, PromptJob, PromptQueue
+from engine.prompts import Abandoned, Prefilled, PrefixFeed, PromptJob, PromptQueue
 from engine.sequence import FAILED, Sequence
 from model_runner.loading import LoadedModel
 from model_runner.paged_cache import KVPieces, pieces_of
@@ -58,7 +58,8 @@ class EngineCore:
         self.prompts = PromptQueue(runner, self._wake, batch_tokens=batch_tokens, chunk_tokens=chunk_tokens,
                                    max_queued_tokens=max_queued_tokens, layer_streaming=layer_streaming,
                                    prefix_cache=prefix_cache, costs=self.costs,
-                                   between_layers=self._between_layers if kv_blocks and prompt_pass_s > 0 else None)
+                                   between_layers=self._between_layers if kv_blocks and prompt_pass_s > 0 else None,
+                                   while_waiting=self._step_while_waiting if kv_blocks else None)
         self.batch = DecodeBatch(runner, kv_blocks, on_step, self.costs) if kv_blocks else None
         if self.batch is not None:
             self.batch.cache.commit(kv_warm_bytes)
@@ -102,14 +103,16 @@ class EngineCore:
             self.prompts.add(job)
             self._wake.notify()
 
-    def submit_prompt(self, seq: Sequence, prompt: list[int], decoded: int = 0, cache_salt: str = "") -> None:
+    def submit_prompt(self, seq: Sequence, prompt: list[int], decoded: int = 0, cache_salt: str = "",
+                      feed: PrefixFeed | None = None) -> None:
         """Queue a colocated request: its prompt pass runs here, its first token is emitted, then it decodes.
         `decoded`: how many of the prompt's last tokens decode steps generated (PromptJob.decoded); `cache_salt`:
-        its prefix-cache namespace (PromptJob.cache_salt)."""
+        its prefix-cache namespace (PromptJob.cache_salt); `feed`: split prefill, where another worker sends the
+        prefix's KV (PromptJob.feed)."""
         seq.submitted_at = time.perf_counter()
         try:
             self.submit(PromptJob(prompt, seq.sampling, None, lambda outcome: self._prompt_done(seq, outcome),
-                                  seq.abandon, decoded=decoded, cache_salt=cache_salt))
+                                  seq.abandon, decoded=decoded, cache_salt=cache_salt, feed=feed))
         except Abandoned:  # shutting down
             seq.emit([], FAILED)
 
@@ -268,6 +271,19 @@ class EngineCore:
                 self._decode_step()
             except Exception:  # the step failed its own sequences; the pass goes on
                 log.exception("decode step between prompt layers failed")
+
+    def _step_while_waiting(self) -> bool:
+        """A split prompt's pass waits for its prefix's next layer: the streams here take a step meanwhile (True),
+        if any run. Waiting is not a stall: the watchdog's clock starts again."""
+        self._busy_since = time.perf_counter()
+        if not (self.running or self._joining):
+            return False
+        try:
+            self._decode_step()
+        except Exception:  # the step failed its own sequences; the pass goes on
+            log.exception("decode step while a split prompt waited failed")
+        self._boundary_at = time.perf_counter()
+        return True
 
     def pass_budget_s(self) -> float:
         """How long a colocated prompt pass may run since the last decode step, the least any running sequence

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from engine.scheduler import PromptScheduler
-from model_runner.forward import LayerKV, WatchedCache, cached_layers, prefill_pass, replay_pass
+from model_runner.forward import FedCache, LayerKV, WatchedCache, cached_layers, prefill_pass, replay_pass
 from model_runner.loading import LoadedModel
 from model_runner.prefix_cache import Block, PrefixCache, continuation
 from model_runner.sampling import sample
@@ -54,6 +54,43 @@ class Prefilled(NamedTuple):
 Deliver = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
+class PrefixFeed:
+    """Split prefill: the KV of a prompt's first `tokens` positions, which another worker computes and sends
+    layer by layer (decode_service fills it from the KV stream, on its event loop), while this worker's pass over
+    the rest of the prompt takes each layer as it comes (on the engine thread)."""
+
+    def __init__(self, tokens: int, layers: int) -> None:
+        self.tokens = tokens
+        self._layers: list[LayerKV | None] = [None] * layers
+        self._arrived = threading.Condition()
+        self.failed = ""  # why the prefix will never be whole ("" while it may)
+
+    def put(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """A layer's KV, (kv_heads, tokens, head_dim) each, in memory of its own (the stream's may be reused)."""
+        with self._arrived:
+            self._layers[layer] = (keys, values)
+            self._arrived.notify_all()
+
+    def fail(self, why: str) -> None:
+        with self._arrived:
+            self.failed = why
+            self._arrived.notify_all()
+
+    def take(self, layer: int, timeout: float) -> LayerKV | None:
+        """The layer's KV once it is in, waiting at most `timeout` seconds (None: not yet). Handed out once: the
+        feed lets go of it."""
+        with self._arrived:
+            if self._layers[layer] is None and not self.failed:
+                self._arrived.wait(timeout)
+            kv, self._layers[layer] = self._layers[layer], None
+            return kv
+
+    @property
+    def arrived(self) -> int:
+        """Layers in and not yet taken (for tests and logs)."""
+        return sum(kv is not None for kv in self._layers)
+
+
 @dataclass(eq=False)
 class PromptJob:
     token_ids: list[int]
@@ -73,6 +110,9 @@ class PromptJob:
     decoded: int = 0
     # The prefix-cache namespace it looks up and fills (PrefillRequest.cache_salt): "" is the shared one.
     cache_salt: str = ""
+    # Split prefill: its first feed.tokens positions' KV comes from another worker, layer by layer; the rest runs
+    # as one pass here that takes each layer of it as it arrives (never from this worker's prefix cache).
+    feed: PrefixFeed | None = None
     started: float = 0.0
     cache: WatchedCache | None = None  # a long prompt's KV so far
     done: int = 0  # prompt tokens in `cache` (or in `prefix`, before its first pass)
@@ -96,10 +136,13 @@ class PromptQueue:
 
     def __init__(self, runner: LoadedModel, lock: threading.Condition, *, batch_tokens: int, chunk_tokens: int,
                  max_queued_tokens: int | None, layer_streaming: bool, prefix_cache: PrefixCache | None,
-                 between_layers: Callable[[], None] | None = None, costs: Costs | None = None) -> None:
+                 between_layers: Callable[[], None] | None = None, costs: Costs | None = None,
+                 while_waiting: Callable[[], bool] | None = None) -> None:
         """`between_layers()`: called at every layer boundary of a pass, on the engine thread (a decode core runs
-        a decode step there when its streams have waited long enough: core.py). `costs`: every pass's time, less
-        the decode steps run between its layers, goes into its prompt-pass fit."""
+        a decode step there when its streams have waited long enough: core.py). `while_waiting()`: called while a
+        split prompt's pass waits for its prefix's next layer; True if it used the time (a decode step), else
+        the pass waits a moment for the layer. `costs`: every pass's time, less the decode steps run between its
+        layers and the waits, goes into its prompt-pass fit."""
         self.runner = runner
         self.prefix_cache = prefix_cache  # used under the lock
         self.max_queued_tokens = max_queued_tokens  # None: unbounded (a decode worker's reservations bound it)
@@ -109,6 +152,7 @@ class PromptQueue:
         self.queued_tokens = 0  # prompt tokens of every job submitted and not yet finished
         self.live_jobs = 0
         self.between_layers = between_layers
+        self.while_waiting = while_waiting
         self.costs = costs
         self._paused = 0.0  # seconds the pass under way spent in between_layers
 
@@ -260,7 +304,9 @@ class PromptQueue:
 
     def _run_chunk(self, job: PromptJob) -> None:
         prompt = job.token_ids
-        if job.cache is None:  # its first pass: start after its cached prefix, looked up again
+        if job.cache is None and job.feed is not None:  # split: one pass after the prefix another worker sends
+            job.cache, job.started = FedCache(job.feed.tokens, self._fetcher(job)), time.perf_counter()
+        elif job.cache is None:  # its first pass: start after its cached prefix, looked up again
             with self._lock:
                 cost = job.cost
                 self._match(job)
@@ -271,7 +317,9 @@ class PromptQueue:
                 job.prefix = []  # copied: the blocks' pool slots may go once the cache lets them
         replaying = job.done >= job.prompt_len  # a chunk never spans prompt and decoded tokens
         end = len(prompt) if replaying else job.prompt_len
-        chunk = prompt[job.done : min(end, job.done + self._scheduler.chunk_tokens)]
+        # a split prompt's part in one pass, so that it keeps pace with the prefix's layers as they come
+        limit = len(prompt) if job.feed is not None else self._scheduler.chunk_tokens
+        chunk = prompt[job.done : min(end, job.done + limit)]
         last = job.done + len(chunk) == len(prompt)
         streaming = self.layer_streaming and last and job.deliver is not None
 
@@ -297,10 +345,33 @@ class PromptQueue:
         cached = job.cached_tokens
         self._end_long(job)
         chunk_tokens = self._scheduler.chunk_tokens
-        passes = -(-(job.prompt_len - cached) // chunk_tokens) + -(-job.decoded // chunk_tokens)
+        passes = 1 if job.feed is not None else (-(-(job.prompt_len - cached) // chunk_tokens)
+                                                  + -(-job.decoded // chunk_tokens))
         prefilled = Prefilled(sample(logits, job.sampling, position=len(prompt)), job.started, time.perf_counter(),
                               passes=passes, cached_tokens=cached)
         self.finish(job, self._hand_on(job, kv, prefilled, streamed=streaming))
+
+    def _fetcher(self, job: PromptJob) -> Callable[[int], LayerKV]:
+        """FedCache's source for a split prompt: each layer of its prefix's KV once it is in. Meanwhile this core's
+        streams take their steps (`while_waiting`); the wait counts as a pause, not as the pass's cost. An
+        abandoned job, or a prefix that will never be whole, stops the pass."""
+        feed = job.feed
+        assert feed is not None
+
+        def fetch(layer: int) -> LayerKV:
+            started = time.perf_counter()
+            try:
+                while (kv := feed.take(layer, 0.0)) is None:
+                    if job.abandoned or feed.failed:
+                        raise Abandoned(feed.failed or "the request ended")
+                    if not (self.while_waiting is not None and self.while_waiting()):
+                        if (kv := feed.take(layer, 0.005)) is not None:
+                            break
+                return kv
+            finally:
+                self._paused += time.perf_counter() - started
+
+        return fetch
 
     @staticmethod
     def _hand_on(job: PromptJob, kv: list[LayerKV], prefilled: Prefilled, streamed: bool) -> Prefilled:
@@ -317,7 +388,9 @@ class PromptQueue:
         """Under the lock: the longest cached prefix of a prompt that has not started, and what is left to compute.
         Called on submit, and again as its first pass starts: prompts that finished while it waited (the same
         system prompt sent in a burst, say) may have cached more of it."""
-        if self.prefix_cache is not None:  # (the first decoded token may follow a wholly cached prompt)
+        if job.feed is not None:  # its prefix comes from the worker that computes it, never from this cache
+            job.done = job.feed.tokens
+        elif self.prefix_cache is not None:  # (the first decoded token may follow a wholly cached prompt)
             blocks = self.prefix_cache.match(job.token_ids[: job.prompt_len + (1 if job.decoded else 0)],
                                              job.cache_salt)
             if len(blocks) > len(job.prefix):

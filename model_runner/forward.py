@@ -44,6 +44,29 @@ class WatchedCache(DynamicCache):
         return keys, values
 
 
+class FedCache(WatchedCache):
+    """A WatchedCache whose first `prefix` positions are another worker's (split prefill): each layer's KV of
+    them comes from `fetch(layer)`, called as the forward pass reaches that layer (it may wait, and may raise to
+    abandon the pass), so the pass over the later positions starts before the prefix's later layers exist."""
+
+    def __init__(self, prefix: int, fetch: Callable[[int], LayerKV],
+                 on_layer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None) -> None:
+        super().__init__(on_layer)
+        self.prefix, self._fetch = prefix, fetch
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return super().get_seq_length(layer_idx) or self.prefix  # the pass starts after the prefix
+
+    def update(  # type: ignore[override]
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if DynamicCache.get_seq_length(self, layer_idx) == 0:
+            keys, values = self._fetch(layer_idx)  # (kv_heads, prefix, head_dim) each
+            DynamicCache.update(self, keys.to(key_states.dtype)[None], values.to(value_states.dtype)[None],
+                                layer_idx)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
 class _PlacedLayer(DynamicLayer):
     """A DynamicLayer over given tensors (1, kv_heads, max tokens, head_dim): each update copies the new positions
     into place, where a DynamicLayer would concatenate them with the old ones into new memory; keys and values are

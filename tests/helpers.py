@@ -18,7 +18,7 @@ import grpc
 import torch
 
 from engine.core import EngineCore
-from engine.prompts import Prefilled, PromptJob
+from engine.prompts import Prefilled, PrefixFeed, PromptJob
 from engine.sequence import Sequence
 from kv_wire.layout import KVLayout
 from kv_wire.sender import KVSender
@@ -337,15 +337,15 @@ class EngineStream:
 
     def __init__(self, engine: EngineCore, runner: LoadedModel, prompt: list[int], sampling: SamplingParams,
                  name: str, at: dict[int, Callable[[], None]] | None = None, colocated: bool = False,
-                 max_tokens: int = ENGINE_MAX_TOKENS) -> None:
+                 max_tokens: int = ENGINE_MAX_TOKENS, feed: PrefixFeed | None = None) -> None:
         self.tokens: list[int] = []
         self.finish = ""
         self.progress = threading.Condition()
         self.at = at or {}  # token count -> hook run on the engine thread, inside the step that reached it
         self.seq = Sequence(request_id=name, prompt_len=len(prompt), max_tokens=max_tokens, sampling=sampling,
                             stop_token_ids=frozenset(), emit=self._emit)
-        if colocated:  # the engine prefills it
-            engine.submit_prompt(self.seq, prompt)
+        if colocated or feed is not None:  # the engine prefills it (split: after the prefix the feed brings)
+            engine.submit_prompt(self.seq, prompt, feed=feed)
             return
         logits, kv = forward.prefill(runner, prompt)
         self.tokens = [sample(logits, sampling, position=len(prompt))]

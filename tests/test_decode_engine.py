@@ -10,7 +10,8 @@ import torch
 
 import engine.prompts as prompts_module
 from engine.core import EngineCore
-from engine.sequence import Sequence
+from engine.prompts import PrefixFeed
+from engine.sequence import FAILED, Sequence
 from model_runner import forward
 from model_runner.loading import LoadedModel
 from protos.types import SamplingParams
@@ -222,4 +223,79 @@ def test_a_colocated_prompt_takes_the_blocks_of_a_sequence_aborted_in_the_same_s
         engine.close()
     # 3. The newcomer ran to its end with the tokens it gets alone, and nothing is held.
     assert newcomer[0].tokens == expected and newcomer[0].finish == "length"
+    assert engine.live_sequences == 0
+
+
+class _WatchedFeed(PrefixFeed):
+    """A PrefixFeed that tells when the pass first asked it for a layer."""
+
+    def __init__(self, tokens: int, layers: int) -> None:
+        super().__init__(tokens, layers)
+        self.asked = threading.Event()
+
+    def take(self, layer: int, timeout: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        self.asked.set()
+        return super().take(layer, timeout)
+
+
+def test_a_split_prompt_takes_its_prefix_layer_by_layer_while_streams_step_and_decodes_as_alone(
+        runner: LoadedModel) -> None:
+    """Split prefill on the decode core: the prompt's first 24 tokens' KV comes from elsewhere a layer at a time,
+    the last 16 run as one pass that takes each layer as it lands. Its tokens are those of the whole prompt
+    alone, and a running stream keeps taking steps while the pass waits for a layer."""
+    sampling = SamplingParams(temperature=0.0)
+    prompt, split = PROMPTS[1], 24
+    expected = decode_alone(runner, prompt, sampling)
+    bystander_expected = decode_alone(runner, PROMPTS[0], sampling)
+    _, prefix = forward.prefill(runner, prompt[:split])
+    feed = _WatchedFeed(split, len(prefix))
+    engine = EngineCore(runner, kv_blocks=64, chunk_tokens=16, prompt_pass_s=0.035)
+    engine.start()
+    try:
+        bystander = EngineStream(engine, runner, PROMPTS[0], sampling, "bystander", max_tokens=400)
+        bystander.wait_for(2)
+        split_stream = EngineStream(engine, runner, prompt, sampling, "split", feed=feed)
+        assert feed.asked.wait(30)  # the split pass runs, and waits for layer 0
+        feed.put(0, prefix[0][0].clone(), prefix[0][1].clone())
+        waiting_from = len(bystander.tokens)
+        bystander.wait_for(waiting_from + 3)  # steps while the pass waits for layer 1 (it would hang otherwise)
+        assert not split_stream.tokens and not split_stream.finish
+        for layer, (keys, values) in enumerate(prefix[1:], start=1):
+            feed.put(layer, keys.clone(), values.clone())
+        split_stream.wait_for()
+        engine.abort(bystander.seq)
+        deadline = time.monotonic() + 30
+        while engine.live_sequences and time.monotonic() < deadline:  # it leaves at the next step
+            time.sleep(0.01)
+    finally:
+        engine.close()
+    assert split_stream.tokens == expected and split_stream.finish == "length"
+    assert feed.arrived == 0  # every layer taken, none held
+    assert bystander.tokens[: len(bystander_expected)] == bystander_expected  # its first tokens, as alone
+    assert engine.live_sequences == 0
+
+
+def test_a_split_prompt_whose_prefix_never_comes_whole_fails_alone(runner: LoadedModel) -> None:
+    """The prefill worker sending the prefix failed after two layers: the split prompt's stream fails, nothing
+    stays held, and a stream beside it decodes on unharmed."""
+    sampling = SamplingParams(temperature=0.0)
+    prompt, split = PROMPTS[1], 24
+    bystander_expected = decode_alone(runner, PROMPTS[0], sampling)
+    _, prefix = forward.prefill(runner, prompt[:split])
+    feed = PrefixFeed(split, len(prefix))
+    engine = EngineCore(runner, kv_blocks=64, chunk_tokens=16, prompt_pass_s=0.035)
+    engine.start()
+    try:
+        bystander = EngineStream(engine, runner, PROMPTS[0], sampling, "bystander")
+        split_stream = EngineStream(engine, runner, prompt, sampling, "split", feed=feed)
+        for layer in range(2):
+            feed.put(layer, *prefix[layer])
+        time.sleep(0.1)
+        feed.fail("KV transfer refused")
+        split_stream.wait_for()
+        bystander.wait_for()
+    finally:
+        engine.close()
+    assert split_stream.finish == FAILED and not split_stream.tokens
+    assert bystander.tokens == bystander_expected and bystander.finish == "length"
     assert engine.live_sequences == 0
