@@ -96,6 +96,8 @@ class KVInbox:
                                     f"request {reservation.params.request_id!r} was released during the transfer")
             if reservation is not None:
                 reservation.fail(grpc.StatusCode.UNAVAILABLE, "KV stream from prefill was cancelled mid-transfer")
+                if reservation.feed is not None:
+                    reservation.feed.fail("KV stream from prefill was cancelled mid-transfer")
             raise
         assert reservation is not None  # claimed before any chunk was accepted
         self.admit(reservation, received)
@@ -106,6 +108,7 @@ class KVInbox:
         self, messages: AsyncIterator[codec.Received], receiver: KVReceiver, reservation: Reservation,
         deadline: asyncio.Timeout,
     ) -> ReceivedKV:
+        fed = 0  # split prefill: layers handed to the pass so far
         async for message in messages:
             if reservation.state is not ReservationState.TRANSFERRING:
                 raise receiver.fail(grpc.StatusCode.CANCELLED,
@@ -113,6 +116,9 @@ class KVInbox:
             received = receiver.accept(message)
             if received is not None:
                 return received
+            while reservation.feed is not None and fed < receiver.complete_layers:  # split prefill: each layer
+                reservation.feed.put(fed, *receiver.layer(fed))  # goes to the pass as soon as it is whole
+                fed += 1
             reservation.extend(self.lease_s)  # the stream moves: a long prompt's last pass may stream for long
             deadline.reschedule(reservation.loop_expiry())
         raise receiver.fail(grpc.StatusCode.DATA_LOSS, "KV stream ended without a trailer")
@@ -125,6 +131,8 @@ class KVInbox:
         log.warning("KV transfer refused, %s: %s", code.name, message)
         if reservation is not None:
             reservation.fail(code, f"KV transfer refused: {message}")
+            if reservation.feed is not None:
+                reservation.feed.fail(f"KV transfer refused: {message}")
         await context.abort(code, message)
 
 

@@ -41,6 +41,7 @@ from decode_service.reservations import CapacityExhausted, Reservation, Reservat
 from decode_service.validation import decode_params
 from engine.client import EngineClient
 from engine.core import EngineCore
+from engine.prompts import PrefixFeed
 from engine.sequence import Sequence
 from kv_wire import segments
 from kv_wire.layout import KVTransferError
@@ -121,7 +122,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self.metrics.count("pdserve_rejections")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker full: {exc}")
         try:
-            if params.prompt:  # colocated: prefilled here, no KV to wait for
+            if params.split_tokens:  # split: the prefix's KV comes from prefill while this worker runs the rest
+                reservation.feed = PrefixFeed(params.split_tokens, self.spec.num_layers)
+                reservation.sequence = self._sequence(reservation, tokens=[])
+                self.engine.submit_prompt(reservation.sequence, list(params.prompt), cache_salt=params.cache_salt,
+                                          feed=reservation.feed)
+                await self.lender.lend(reservation)
+            elif params.prompt:  # colocated: prefilled here, no KV to wait for
                 reservation.state = ReservationState.ADMITTED
                 reservation.sequence = self._sequence(reservation, tokens=[])
                 self.engine.submit_prompt(reservation.sequence, list(params.prompt), params.decoded_tokens,
@@ -159,6 +166,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             return  # (and its segment retired)
         release = self.lender.hand_back(reservation, received.in_segment)
         reservation.state = ReservationState.ADMITTED
+        if reservation.feed is not None:  # split: every layer went to the pass already, copied out
+            release()
+            return
         reservation.sequence = self._sequence(reservation, tokens=[received.first_token])
         self.engine.submit_kv(reservation.sequence, received.pieces, release)
 

@@ -50,6 +50,12 @@ class GatewayConfig:
         "model", "model: each prompt runs where the workers' measured costs predict its first token soonest, on a "
         "prefill worker or colocated on a decode worker, whatever its length; the two flags above decide only "
         "until the workers report costs. threshold: they always decide", choices=("model", "threshold"))
+    split_above: int = setting(
+        0, "a prompt of at least this many tokens may be split: a prefill worker prefills its first part and sends "
+        "that KV layer by layer to a decode worker, which prefills the rest meanwhile (split prefill: two cores on "
+        "one prompt). With --placement model, when that is predicted soonest (an idle prefill worker, the split "
+        "that ends soonest); with threshold, always, half on each side; 0: never",
+        metavar="TOKENS", low=0)
     target_tpot_ms: int = setting(
         0, "the time between tokens a request asks for unless it says (its slo.tpot_ms): placement avoids choices "
         "predicted slower, and a decode worker then gives colocated prompts the rest of its core instead of "

@@ -114,7 +114,8 @@ async def _with_failover(
         began = loop.time()
         try:
             async for tokens in run(attempt, prefill, decode, timings, timeout, decision.colocated,
-                                    frozenset(failed), pairs, policy.idle_timeout_s, decision.decode):
+                                    frozenset(failed), pairs, policy.idle_timeout_s, decision.decode,
+                                    decision.split if not attempt.decoded else 0):
                 if timings.attempt_ttft_s is None and tokens.token_ids:
                     timings.attempt_ttft_s = loop.time() - began
                     decision.first_token(timings.attempt_ttft_s)
@@ -188,7 +189,7 @@ def _learn_handoff(colocation: Placement | bool, decision: Decision, timings: Ti
 
 def _record_placement(timings: Timings, decision: Decision) -> None:
     """The attempt's placement, in its timings and on the request's span."""
-    timings.placement = "colocated" if decision.colocated else "prefill"
+    timings.placement = "colocated" if decision.colocated else "split" if decision.split else "prefill"
     timings.placement_reason, timings.predicted_ttft_s = decision.explain(), decision.predicted_ttft_s
     timings.attempt_ttft_s = None
     attributes: dict[str, str | float] = {"pdserve.placement": timings.placement,

@@ -91,7 +91,7 @@ async def _read(call: grpc.aio.UnaryStreamCall, worker: Worker, hop: str) -> Any
 
 async def reserve(
     params: GenerateParams, pool: Pool, rpc_timeout: float | None, colocated: bool = False,
-    avoid: frozenset[str] = frozenset(), idle_timeout_s: float | None = None, prefer: str = "",
+    avoid: frozenset[str] = frozenset(), idle_timeout_s: float | None = None, prefer: str = "", split: int = 0,
 ) -> tuple[Worker, grpc.aio.UnaryStreamCall, decode_pb2.Reservation]:
     """Open a Generate call on the first decode worker with room; its first event is the reservation.
 
@@ -104,7 +104,7 @@ async def reserve(
         request_id=params.request_id, prompt_tokens=len(params.prompt_ids), max_tokens=params.max_tokens,
         sampling=sampling_to_pb(params.sampling), ignore_eos=params.ignore_eos,
         prompt_token_ids=params.prompt_ids if colocated else [], decoded_tokens=params.decoded if colocated else 0,
-        cache_salt=params.cache_salt if colocated else "", tpot_target_ms=params.tpot_target_ms)
+        cache_salt=params.cache_salt if colocated else "", tpot_target_ms=params.tpot_target_ms, split_tokens=split)
     if colocated and idle_timeout_s is not None:
         request.heartbeat_ms = max(MIN_HEARTBEAT_MS, int(idle_timeout_s * 1000 / 3))
     refusals: list[tuple[grpc.StatusCode, str]] = []
@@ -151,19 +151,21 @@ async def reserve(
 async def run(
     params: GenerateParams, prefill: Pool, decode: Pool, timings: Timings, rpc_timeout: float | None,
     colocated: bool = False, avoid: frozenset[str] = frozenset(), pairs: PairBreakers | None = None,
-    idle_timeout_s: float | None = None, prefer: str = "",
+    idle_timeout_s: float | None = None, prefer: str = "", split: int = 0,
 ) -> AsyncGenerator[Tokens, None]:
     """The request's tokens, one attempt. Colocated, one decode worker does both phases: no prefill call, no KV
-    transfer. Workers in `avoid` (addresses that failed this request before) are tried last. A decode worker
-    silent for `idle_timeout_s` mid-stream, or while it prefills a colocated prompt, fails the attempt
-    (UNAVAILABLE), so the stream is retried or migrates.
+    transfer. Split (`split` > 0 prompt tokens): a prefill worker prefills the prompt's first `split` tokens and
+    sends their KV to the decode worker, which prefills the rest meanwhile and samples the first token itself.
+    Workers in `avoid` (addresses that failed this request before) are tried last. A decode worker silent for
+    `idle_timeout_s` mid-stream, or while it prefills a colocated prompt, fails the attempt (UNAVAILABLE), so the
+    stream is retried or migrates.
 
     Each worker's `calls` counts this attempt's call on it while it lasts: a worker that left the pool keeps
     its channel open until they end (Pool.refresh)."""
     pairs = pairs or PairBreakers()
     started = time.perf_counter()
-    decode_worker, decode_call, reservation = await reserve(params, decode, rpc_timeout, colocated, avoid,
-                                                            idle_timeout_s, prefer)
+    decode_worker, decode_call, reservation = await reserve(params, decode, rpc_timeout, colocated or bool(split),
+                                                            avoid, idle_timeout_s, prefer, split)
     timings.reserve_ms = (time.perf_counter() - started) * 1e3
     decode_worker.calls += 1
     if colocated:
@@ -182,7 +184,8 @@ async def run(
     # (by the prefix it may hold: never the decoded tokens of a migrated stream, which no prefill worker caches)
     prefill_worker = prefill.in_turn(avoid | broken, params.cacheable_ids, params.cache_salt)[0]
     prefill_call = prefill_worker.stub.Prefill(prefill_pb2.PrefillRequest(
-        request_id=params.request_id, token_ids=params.prompt_ids, sampling=sampling_to_pb(params.sampling),
+        request_id=params.request_id, token_ids=params.prompt_ids[:split] if split else params.prompt_ids,
+        sampling=sampling_to_pb(params.sampling),
         decode_address=kv_address(decode_worker.address, reservation.kv_port), reservation_token=reservation.token,
         shm_segment=reservation.shm_segment, decoded_tokens=params.decoded, cache_salt=params.cache_salt,
         lease_ms=reservation.lease_ms), timeout=rpc_timeout, metadata=tracing.outgoing())
@@ -190,6 +193,17 @@ async def run(
     transfer: asyncio.Future[prefill_pb2.PrefillEvent] | None = None
     decode_read: asyncio.Future | None = None
     try:
+        if split:
+            timings.kv_transport = "split"
+            transfer = asyncio.ensure_future(_prefix_sent(prefill_call, prefill_worker, timings))
+            async for tokens in _decoded(decode_call, decode_worker, transfer, None, idle_timeout_s):
+                if tokens.finish_reason and _succeeded(transfer):
+                    _record_transfer(timings, transfer.result())
+                    pairs.succeeded(prefill_worker.address, decode_worker.address)
+                yield tokens
+                if tokens.finish_reason:
+                    break
+            return
         prefill_worker.prefilling_tokens += len(params.prompt_ids)  # its load, for routing, until the first token
         try:
             first, decode_read = await _first_token(prefill_call, prefill_worker, decode_call, decode_worker)
@@ -227,6 +241,14 @@ async def run(
                 read.cancel()
         decode_worker.calls -= 1
         prefill_worker.calls -= 1
+
+
+async def _prefix_sent(call: grpc.aio.UnaryStreamCall, worker: Worker, timings: Timings) -> prefill_pb2.PrefillEvent:
+    """A split prompt's prefix, on its prefill worker: the token it samples after the prefix is not the request's
+    (the decode worker samples that), only its times are; then the transfer's end."""
+    first = await _prefill_event(call, worker, "first_token")
+    timings.prefill_queue_ms, timings.prefill_ms = first.first_token.queue_ms, first.first_token.forward_ms
+    return await _prefill_event(call, worker, "transfer_done")
 
 
 async def _first_token(

@@ -29,14 +29,18 @@ from serving.costs import LinearFit, prompt_seconds, step_features
 
 @dataclass(frozen=True)
 class Option:
-    where: str  # "prefill" or "colocated"
-    worker: str  # the address of the worker that would prefill
+    where: str  # "prefill", "colocated" or "split"
+    worker: str  # the address of the worker that would prefill (split: the prefill worker, of the prefix)
     ttft_s: float  # predicted time to first token
     tpot_s: float  # predicted time between tokens of the decode worker's streams meanwhile (0: not predicted)
     model_s: float = 0.0  # the cost model's TTFT, before the learnt correction (ttft_s is after)
+    decode: str = ""  # split: the decode worker that prefills the rest
+    split: int = 0  # split: the prompt tokens the prefill worker prefills
 
     def describe(self) -> str:
-        return f"{self.where} {self.worker}: TTFT {self.ttft_s:.2f} s, TPOT {self.tpot_s * 1e3:.0f} ms"
+        where = (f"split {self.split} tokens on {self.worker}, the rest on {self.decode}" if self.split else
+                 f"{self.where} {self.worker}")
+        return f"{where}: TTFT {self.ttft_s:.2f} s, TPOT {self.tpot_s * 1e3:.0f} ms"
 
 
 @dataclass
@@ -44,7 +48,8 @@ class Decision:
     colocated: bool
     reason: str  # "model", or why the thresholds decided
     options: list[Option] = field(default_factory=list)  # best first, by the model
-    decode: str = ""  # colocated: the decode worker predicted fastest, to reserve on first
+    decode: str = ""  # colocated or split: the decode worker predicted fastest, to reserve on first
+    split: int = 0  # split prefill: the prompt tokens a prefill worker prefills (0: not split)
     charge: tuple[Worker, float, bool] | None = None  # the chosen worker, the prompt work it is sent, and if short
     learn: Callable[[str, float, float], None] | None = None  # (where, actual, model's TTFT): Placement.learn
     charged: object = None  # the worker's WorkerInfo when `commit` charged it; None: nothing charged
@@ -85,7 +90,8 @@ class Decision:
 
     def explain(self) -> str:
         if self.reason != "model":
-            return f"{'colocated' if self.colocated else 'prefill'} ({self.reason})"
+            where = "colocated" if self.colocated else f"split at {self.split} tokens" if self.split else "prefill"
+            return f"{where} ({self.reason})"
         told = "; ".join(option.describe() for option in self.options)
         if self.handoff is not None:
             path, seconds = self.handoff
@@ -157,19 +163,21 @@ LEAST_SCALE = 0.5  # a corrected TTFT is never below half the model's
 class Placement:
     """Per-attempt placement by predicted TTFT ("model") or by the fixed thresholds alone ("threshold")."""
 
-    def __init__(self, mode: str, colocation: Colocation, ttft_ms: int = 0, tpot_ms: int = 0) -> None:
-        """`ttft_ms`, `tpot_ms`: a request's service level when it asks for none (0: none)."""
+    def __init__(self, mode: str, colocation: Colocation, ttft_ms: int = 0, tpot_ms: int = 0,
+                 split_above: int = 0) -> None:
+        """`ttft_ms`, `tpot_ms`: a request's service level when it asks for none (0: none). `split_above`: prompts
+        of at least this many tokens may be split between a prefill and a decode worker (0: never)."""
         if mode not in ("model", "threshold"):
             raise ValueError(f"--placement {mode!r}: expected model or threshold")
         self.mode = mode
         self.colocation = colocation
-        self.ttft_ms, self.tpot_ms = ttft_ms, tpot_ms
+        self.ttft_ms, self.tpot_ms, self.split_above = ttft_ms, tpot_ms, split_above
         # What the cost model misses, learnt per kind of choice from every first token as actual = fixed + scale *
         # model: a fixed part (the gateway's hops, a disaggregated prompt's KV handoff, which the passes do not
         # hold) and a scale (a colocated prompt's passes also wait for joins and the batch's growth). Fitting
         # both keeps a short prompt's fixed costs from multiplying a long prompt's prediction.
         self.correction = {where: LinearFit(2, forget=FORGET, prior=NO_CORRECTION)
-                           for where in ("prefill", "colocated")}
+                           for where in ("prefill", "colocated", "split")}
         # A KV handoff's exposed seconds on the prompt's thousands of tokens, per path, and the path seen last
         self.handoffs = {path: LinearFit(2, forget=FORGET) for path in ("shm", "grpc")}
         self.last_path = ""
@@ -199,8 +207,8 @@ class Placement:
         penalised against one nobody has tried."""
         fit = self.correction[where]
         if not fit.samples:
-            other = self.correction["colocated" if where == "prefill" else "prefill"]
-            fit = other if other.samples else fit
+            others = [self.correction[kind] for kind in ("prefill", "colocated", "split") if kind != where]
+            fit = next((other for other in others if other.samples), fit)
         return max(LEAST_SCALE * model_s, fit.predict((1.0, model_s)))
 
     def with_defaults(self, params: GenerateParams) -> GenerateParams:
@@ -213,22 +221,28 @@ class Placement:
         """Where a prompt of `prompt_tokens` runs; `tpot_ms`: the request's time-per-token target (0: none). With
         the `prompt`'s cacheable tokens, a prefill worker's prediction leaves out the prefix it likely holds."""
         by_threshold = self.colocation.applies(prompt_tokens, prefill)
+        # the fixed rule for split prefill: a prompt of split_above tokens or more, half on each side
+        split = prompt_tokens // 2 if self.split_above and prompt_tokens >= self.split_above else 0
         if self.mode == "threshold" or not prefill.workers:
-            return Decision(by_threshold, "threshold" if prefill.workers else "no prefill workers")
+            if not prefill.workers:
+                return Decision(by_threshold, "no prefill workers")
+            return Decision(by_threshold and not split, "threshold", split=split)
         cached = prefill.cached_tokens(prompt, cache_salt)
         options = self.options(prompt_tokens, prefill, decode, tpot_ms / 1e3, cached)
         if options is None:
-            return Decision(by_threshold, "threshold: no costs reported yet")
+            return Decision(by_threshold and not split, "threshold: no costs reported yet", split=split)
         if not options:
             return Decision(by_threshold, "threshold: no worker serving")
         best = options[0]
-        chosen = next(w for w in (prefill if best.where == "prefill" else decode).workers if w.address == best.worker)
+        chosen = next(w for w in (decode if best.where == "colocated" else prefill).workers
+                      if w.address == best.worker)
         held = cached.get(chosen.address, 0) if best.where == "prefill" else 0
+        charged = best.split or prompt_tokens  # split: the prefill worker's part (the decode worker's poll tells)
         return Decision(best.where == "colocated", "model", options,
-                        decode=best.worker if best.where == "colocated" else "",
-                        charge=(chosen, _prompt_s(chosen, prompt_tokens, held),
-                                _is_short(chosen, prompt_tokens, held)),
-                        learn=self.learn, handoff=None if best.where == "colocated" else self.handoff(prompt_tokens))
+                        decode=best.decode or (best.worker if best.where == "colocated" else ""), split=best.split,
+                        charge=(chosen, _prompt_s(chosen, charged, held), _is_short(chosen, charged, held)),
+                        learn=self.learn,
+                        handoff=self.handoff(prompt_tokens) if best.where == "prefill" else None)
 
     def options(self, prompt_tokens: int, prefill: Pool, decode: Pool, tpot_s: float = 0.0,
                 cached: dict[str, int] | None = None) -> list[Option] | None:
@@ -267,6 +281,8 @@ class Placement:
             else:
                 ttft, tpot = work, 0.0
             options.append(Option("colocated", worker.address, self.corrected("colocated", ttft), tpot, ttft))
+        if self.split_above and prompt_tokens >= self.split_above:
+            options += self._split_options(prompt_tokens, prefill_workers, decode_workers, tpot_s, cached)
 
         # Colocating a prompt skips a prefill queue; while a prefill worker could start it at once there is none
         # to skip, and a prediction that says otherwise compares two workers' fits of the same pass: calibration
@@ -278,3 +294,38 @@ class Placement:
                     option.ttft_s * (COLOCATED_MARGIN if colocated else 1))
 
         return sorted(options, key=rank)
+
+    def _split_options(self, prompt_tokens: int, prefill_workers: list[Worker], decode_workers: list[Worker],
+                       tpot_s: float, cached: dict[str, int]) -> list[Option]:
+        """Split prefill (engine/prompts.py PrefixFeed): an idle prefill worker prefills the prompt's first k
+        tokens while a decode worker prefills the rest in one pass that takes each layer of the prefix's KV as it
+        comes. Both run layer by layer side by side, so the first token comes when the slower part is done:
+        TTFT = max(prompt(p, k), (wait(d) + rest(d, n - k after k)) / s) + step, s the decode worker's share of
+        its core as for a colocated prompt. Only an idle prefill worker takes part (a queued prefix would hold the
+        decode worker's pass), and only a prompt with nothing cached there; k is the split predicted soonest."""
+        options = []
+        idle = [w for w in prefill_workers if _wait_s(w, prompt_tokens) == 0 and not cached.get(w.address)]
+        for prefill_worker in idle[:1]:
+            for worker in decode_workers:
+                assert worker.info is not None
+                if worker.info.running + worker.info.live_reservations >= worker.info.max_sequences:
+                    continue
+                step = _step_s(worker, max(1, worker.info.running))
+                budget = worker.info.pass_budget_s
+                if tpot_s and budget:
+                    budget = min(budget, max(MIN_BUDGET_S, tpot_s - step))
+                share = budget / (budget + step) if worker.info.running and step > 0 and budget > 0 else 1.0
+                best: tuple[float, int] | None = None
+                for tenth in range(3, 9):  # the prefix's share of the prompt, 30% to 80%
+                    split = prompt_tokens * tenth // 10
+                    ahead = _prompt_s(prefill_worker, split)
+                    rest = prompt_seconds(_pass_coefficients(worker), prompt_tokens - split, split)
+                    ttft = max(ahead, (_wait_s(worker, prompt_tokens) + rest) / share) + step
+                    if best is None or ttft < best[0]:
+                        best = (ttft, split)
+                assert best is not None
+                ttft, split = best
+                tpot = step + (budget if budget > 0 else ttft)
+                options.append(Option("split", prefill_worker.address, self.corrected("split", ttft), tpot, ttft,
+                                      decode=worker.address, split=split))
+        return options

@@ -148,7 +148,7 @@ async def serve(config: GatewayConfig) -> None:
     max_prompt_chars(tokenizer, model.max_model_len)  # its vocabulary scan holds the GIL ~20 ms: now, not in a request
     gateway = Gateway(tokenizer, model, prefill, decode,
                       Placement(config.placement, Colocation(config.colocate_below, config.colocate_queued),
-                                config.target_ttft_ms, config.target_tpot_ms), config.retry,
+                                config.target_ttft_ms, config.target_tpot_ms, config.split_above), config.retry,
                       config.admission, ApiKeys.load(config.api_key_file))
     servicer = GatewayServicer(gateway, config.client_stall_timeout_s)
     http = OpenAIServer(gateway, config.served_model_name or model_name(config.model), config.http_body_timeout_s,

@@ -188,6 +188,30 @@ class KVReceiver:
         for chunk in chunks:
             self.accept_chunk(chunk)
 
+    @property
+    def complete_layers(self) -> int:
+        """Layers whose keys and values have both arrived whole and verified (they come in order)."""
+        layout = self.layout
+        if layout is None or self.state is not TransferState.TRANSFERRING:
+            return 0
+        return (self._tensor + (self._offset == layout.tensor_bytes)) // 2
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A complete layer's keys and values, (num_kv_heads, num_tokens, head_dim) each, copied out of the messages
+        or the segment into memory of their own (split prefill hands them on before the stream ends)."""
+        layout = self.layout
+        assert layout is not None and layer < self.complete_layers, "a complete layer"
+        dtype = WIRE_DTYPES[layout.dtype]
+        tensors = []
+        for tensor in (2 * layer, 2 * layer + 1):
+            if self._segment is not None:
+                start = tensor * layout.tensor_bytes
+                flat = torch.from_numpy(self._segment[start : start + layout.tensor_bytes]).view(dtype).clone()
+            else:
+                flat = torch.cat([_elements(data, dtype) for _, data in self._pieces[tensor]])
+            tensors.append(flat.view(layout.tensor_shape))
+        return tensors[0], tensors[1]
+
     def finish(self, trailer: pb.KVTrailer) -> ReceivedKV:
         layout = self.layout
         assert layout is not None and self.state is TransferState.TRANSFERRING, "accept_header first"
