@@ -312,3 +312,35 @@ def test_the_kv_handoff_is_learnt_per_path_on_the_prompt_s_tokens_and_told_with_
             await pool.close()
 
     asyncio.run(scenario())
+
+
+def test_a_long_prompt_is_split_when_two_cores_on_it_are_predicted_sooner() -> None:
+    async def scenario() -> None:
+        placement = Placement("model", Colocation(below=512, queued=256), split_above=512)
+        prefill, decode = _pools(prefill_backlog_s=0.0, decode_running=4)
+        decision = placement.decide(1024, prefill, decode)
+        best = decision.options[0]
+        # the prefix in 256-token passes on the idle prefill worker, the rest as one pass on the decode worker's
+        # 35 / (35 + 20) share of its core: 614 tokens (60%) ahead finish together with the rest, soonest
+        assert best.where == "split" and decision.split == best.split == 614 and not decision.colocated
+        assert best.worker == "127.0.0.1:9100" and decision.decode == best.decode == "127.0.0.1:9200"
+        assert decision.predicted_ttft_s == pytest.approx((0.002 + 4.0 * 0.410) * 0.055 / 0.035 + 0.020)
+        whole = next(o for o in decision.options if o.where == "prefill")
+        assert whole.ttft_s == pytest.approx(4 * 0.002 + 4.0 * 1.024) and whole.ttft_s > decision.predicted_ttft_s
+        assert decision.explain().startswith("split 614 tokens on 127.0.0.1:9100, the rest on 127.0.0.1:9200")
+        decision.commit()  # the prefill worker is charged its part only
+        assert prefill.workers[0].picked_s == pytest.approx(3 * 0.002 + 4.0 * 0.614)
+        decision.release()
+        # shorter than --split-above, or a prefill worker with a queue: no split to weigh
+        assert all(o.where != "split" for o in placement.decide(500, prefill, decode).options)
+        busy_prefill, busy_decode = _pools(prefill_backlog_s=5.0, decode_running=4)
+        assert all(o.where != "split" for o in placement.decide(1024, busy_prefill, busy_decode).options)
+        # the fixed rule: half on each side; off by default
+        threshold = Placement("threshold", Colocation(below=512, queued=256), split_above=512)
+        fixed = threshold.decide(1024, prefill, decode)
+        assert fixed.split == 512 and not fixed.colocated and fixed.explain() == "split at 512 tokens (threshold)"
+        assert Placement("threshold", Colocation(below=512, queued=256)).decide(1024, prefill, decode).split == 0
+        for pool in (prefill, decode, busy_prefill, busy_decode):
+            await pool.close()
+
+    asyncio.run(scenario())
