@@ -53,8 +53,8 @@ class GatewayConfig:
     split_above: int = setting(
         0, "a prompt of at least this many tokens may be split: a prefill worker prefills its first part and sends "
         "that KV layer by layer to a decode worker, which prefills the rest meanwhile (split prefill: two cores on "
-        "one prompt). With --placement model, when that is predicted soonest (an idle prefill worker, the split "
-        "that ends soonest); with threshold, always, half on each side; 0: never",
+        "one prompt). With --placement model, when that is predicted soonest (a prefill worker free within half a "
+        "second, the split that ends soonest); with threshold, always, half on each side; 0: never",
         metavar="TOKENS", low=0)
     target_tpot_ms: int = setting(
         0, "the time between tokens a request asks for unless it says (its slo.tpot_ms): placement avoids choices "

@@ -152,6 +152,9 @@ MIN_BUDGET_S = 0.001  # a target shorter than a step leaves prompts a layer betw
 # A colocated prompt shares the decode worker's core with running streams: it must be predicted this much sooner
 # than the best prefill worker, so that near-equal predictions keep prompts off decode.
 COLOCATED_MARGIN = 1.1
+# Split prefill: the longest a prefill worker may be predicted to wait before it starts a prefix (the decode
+# worker's pass over the rest waits for that prefix's layers, and runs no other prompt meanwhile)
+SPLIT_MAX_WAIT_S = 0.5
 FORGET = 0.9  # the correction's memory: each first token weighs 1, the ones before 0.9 times what they weighed
 # The correction before any first token, and what it keeps to where first tokens cannot tell its terms apart: none
 # (first tokens at 0 s and at 1 s, predicted as such, each weighing a quarter of a first token, never fading; a
@@ -301,11 +304,15 @@ class Placement:
         tokens while a decode worker prefills the rest in one pass that takes each layer of the prefix's KV as it
         comes. Both run layer by layer side by side, so the first token comes when the slower part is done:
         TTFT = max(prompt(p, k), (wait(d) + rest(d, n - k after k)) / s) + step, s the decode worker's share of
-        its core as for a colocated prompt. Only an idle prefill worker takes part (a queued prefix would hold the
-        decode worker's pass), and only a prompt with nothing cached there; k is the split predicted soonest."""
+        its core as for a colocated prompt. Only a prefill worker that would start the prefix within
+        SPLIT_MAX_WAIT_S takes part (the decode worker's pass waits for the prefix's layers meanwhile, and no other
+        prompt of its runs), and only for a prompt with nothing cached there; k is the split predicted soonest."""
         options = []
-        idle = [w for w in prefill_workers if _wait_s(w, prompt_tokens) == 0 and not cached.get(w.address)]
-        for prefill_worker in idle[:1]:
+        ready = sorted((_wait_s(w, prompt_tokens), w.address, w) for w in prefill_workers
+                       if not cached.get(w.address))
+        for wait, _, prefill_worker in ready[:1]:
+            if wait > SPLIT_MAX_WAIT_S:
+                break
             for worker in decode_workers:
                 assert worker.info is not None
                 if worker.info.running + worker.info.live_reservations >= worker.info.max_sequences:
@@ -318,7 +325,7 @@ class Placement:
                 best: tuple[float, int] | None = None
                 for tenth in range(3, 9):  # the prefix's share of the prompt, 30% to 80%
                     split = prompt_tokens * tenth // 10
-                    ahead = _prompt_s(prefill_worker, split)
+                    ahead = wait + _prompt_s(prefill_worker, split)
                     rest = prompt_seconds(_pass_coefficients(worker), prompt_tokens - split, split)
                     ttft = max(ahead, (_wait_s(worker, prompt_tokens) + rest) / share) + step
                     if best is None or ttft < best[0]:
