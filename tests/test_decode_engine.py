@@ -238,17 +238,26 @@ class _WatchedFeed(PrefixFeed):
         return super().take(layer, timeout)
 
 
+SPLIT = 24  # of PROMPTS[1]'s 40 tokens, prefilled elsewhere
+
+
+def _split_case(runner: LoadedModel) -> tuple[SamplingParams, list[int], list[int], list[int],
+                                              list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Greedy; the split prompt, its tokens alone, a bystander's tokens alone, and the prefix's KV per layer."""
+    sampling = SamplingParams(temperature=0.0)
+    prompt = PROMPTS[1]
+    _, prefix = forward.prefill(runner, prompt[:SPLIT])
+    return (sampling, prompt, decode_alone(runner, prompt, sampling), decode_alone(runner, PROMPTS[0], sampling),
+            prefix)
+
+
 def test_a_split_prompt_takes_its_prefix_layer_by_layer_while_streams_step_and_decodes_as_alone(
         runner: LoadedModel) -> None:
     """Split prefill on the decode core: the prompt's first 24 tokens' KV comes from elsewhere a layer at a time,
     the last 16 run as one pass that takes each layer as it lands. Its tokens are those of the whole prompt
     alone, and a running stream keeps taking steps while the pass waits for a layer."""
-    sampling = SamplingParams(temperature=0.0)
-    prompt, split = PROMPTS[1], 24
-    expected = decode_alone(runner, prompt, sampling)
-    bystander_expected = decode_alone(runner, PROMPTS[0], sampling)
-    _, prefix = forward.prefill(runner, prompt[:split])
-    feed = _WatchedFeed(split, len(prefix))
+    sampling, prompt, expected, bystander_expected, prefix = _split_case(runner)
+    feed = _WatchedFeed(SPLIT, len(prefix))
     engine = EngineCore(runner, kv_blocks=64, chunk_tokens=16, prompt_pass_s=0.035)
     engine.start()
     try:
@@ -278,11 +287,8 @@ def test_a_split_prompt_takes_its_prefix_layer_by_layer_while_streams_step_and_d
 def test_a_split_prompt_whose_prefix_never_comes_whole_fails_alone(runner: LoadedModel) -> None:
     """The prefill worker sending the prefix failed after two layers: the split prompt's stream fails, nothing
     stays held, and a stream beside it decodes on unharmed."""
-    sampling = SamplingParams(temperature=0.0)
-    prompt, split = PROMPTS[1], 24
-    bystander_expected = decode_alone(runner, PROMPTS[0], sampling)
-    _, prefix = forward.prefill(runner, prompt[:split])
-    feed = PrefixFeed(split, len(prefix))
+    sampling, prompt, _, bystander_expected, prefix = _split_case(runner)
+    feed = PrefixFeed(SPLIT, len(prefix))
     engine = EngineCore(runner, kv_blocks=64, chunk_tokens=16, prompt_pass_s=0.035)
     engine.start()
     try:
