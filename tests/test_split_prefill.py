@@ -17,6 +17,8 @@ from protos import decode_pb2, decode_pb2_grpc
 from protos.types import SamplingParams
 from tests.helpers import ENGINE_MAX_TOKENS, assert_nothing_held, decode_alone, start_cluster
 
+pytestmark = pytest.mark.slow  # the real model
+
 SPLIT_ABOVE = 64
 PROMPT = [(index * 7919) % 40000 + 100 for index in range(200)]  # 200 distinct-enough tokens of the real model
 
