@@ -92,9 +92,9 @@ class GatewayConfig:
     max_http_connections: int = setting(
         DEFAULT_MAX_CONNECTIONS, "open HTTP connections at once; a new one past it is answered 503 and closed", low=1)
     sse_min_write_bytes: int = setting(
-        DEFAULT_SSE_MIN_WRITE_BYTES, "each SSE write is padded with an SSE comment to at least this many bytes, so "
-        "that a client that stops reading fills its kernel's buffer and is cut (--client-stall-timeout): Linux "
-        "keeps taking small writes for a socket that never reads; 0: no padding", metavar="BYTES", low=0,
+        DEFAULT_SSE_MIN_WRITE_BYTES, "each SSE event is padded with spaces after its JSON to at least this many "
+        "bytes, so that a client that stops reading fills its kernel's buffer and is cut (--client-stall-timeout): "
+        "Linux keeps taking small writes for a socket that never reads; 0: no padding", metavar="BYTES", low=0,
         high=1 << 16)
 
     def __post_init__(self) -> None:

@@ -1,7 +1,8 @@
 """An SSE stream whose client never reads, with the kernel's default buffers, is cut: the gateway's HTTP edge
 (OpenAIServer, real aiohttp on a loopback socket) over a core that streams one token every 30 ms, as a decode
 worker at a CPU's pace does. Linux keeps taking small writes for a socket that never reads (it grows the receive
-buffer instead of closing the window), so the edge pads each write to --sse-min-write-bytes with an SSE comment."""
+buffer instead of closing the window), so the edge pads each event to --sse-min-write-bytes with spaces after its
+JSON."""
 
 from __future__ import annotations
 
@@ -82,10 +83,35 @@ def test_a_never_reading_sse_client_with_default_buffers_is_cut_while_its_socket
     assert stalls == 1
 
 
-def test_each_event_is_padded_by_a_comment_block_of_its_own() -> None:
+def _as_vllm_bench_serve_reads(reads: list[bytes]) -> list[dict]:
+    """The events a client gets that strips each network read of surrounding whitespace, then splits what it has
+    buffered at blank lines and skips comments (`:`), taking a buffered `data:` line whose JSON parses as an event
+    too: vLLM's `vllm bench serve` (its StreamedResponseHandler), reading one write at a time."""
+    buffer, events = "", []
+    for read in reads:
+        buffer += read.strip().decode()
+        while "\n\n" in buffer:
+            message, buffer = buffer.split("\n\n", 1)
+            if message.strip() and not message.strip().startswith(":"):
+                events.append(json.loads(message.strip().removeprefix("data: ")))
+        if buffer.startswith("data: "):
+            try:
+                events.append(json.loads(buffer.removeprefix("data: ")))
+                buffer = ""
+            except json.JSONDecodeError:
+                pass
+    return events
+
+
+def test_each_event_is_padded_inside_its_own_data_line_and_every_client_gets_it_whole() -> None:
     event = b'data: {"a":1}\n\n'
     write = padded(event, 1024)
-    assert len(write) == 1024 and write.startswith(event)
-    blocks = write.split(b"\n\n")
-    assert blocks[0] == event[:-2] and blocks[1].startswith(b":") and blocks[2:] == [b""]  # a comment, then nothing
+    assert len(write) == 1024 and write.startswith(event[:-2]) and write.endswith(b"\n\n")
+    assert write.count(b"\n") == 2 and json.loads(write.removeprefix(b"data: ")) == {"a": 1}  # one event, its JSON
     assert padded(event, 0) == event and padded(b"x" * 2000, 1024) == b"x" * 2000
+    writes = [padded(b'data: {"i":%d}\n\n' % i, 1024) for i in range(6)]
+    # a stripping reader, one write per read (a comment block after each event lost every other one), and a plain
+    # SSE reader that splits the whole stream at blank lines
+    assert _as_vllm_bench_serve_reads(writes) == [{"i": i} for i in range(6)]
+    blocks = [block for block in b"".join(writes).split(b"\n\n") if block]
+    assert [json.loads(block.removeprefix(b"data: ")) for block in blocks] == [{"i": i} for i in range(6)]
