@@ -96,8 +96,6 @@ class KVInbox:
                                     f"request {reservation.params.request_id!r} was released during the transfer")
             if reservation is not None:
                 reservation.fail(grpc.StatusCode.UNAVAILABLE, "KV stream from prefill was cancelled mid-transfer")
-                if reservation.feed is not None:
-                    reservation.feed.fail("KV stream from prefill was cancelled mid-transfer")
             raise
         assert reservation is not None  # claimed before any chunk was accepted
         self.admit(reservation, received)
@@ -131,8 +129,6 @@ class KVInbox:
         log.warning("KV transfer refused, %s: %s", code.name, message)
         if reservation is not None:
             reservation.fail(code, f"KV transfer refused: {message}")
-            if reservation.feed is not None:
-                reservation.feed.fail(f"KV transfer refused: {message}")
         await context.abort(code, message)
 
 

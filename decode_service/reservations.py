@@ -79,7 +79,10 @@ class Reservation:
     events: asyncio.Queue[tuple[list[int], str] | Failure] = field(default_factory=asyncio.Queue)
 
     def fail(self, code: grpc.StatusCode, message: str) -> None:
-        """Push a failure to the gateway's stream at once (it frees the reservation on its way out)."""
+        """Push a failure to the gateway's stream at once (it frees the reservation on its way out), and stop a split
+        prompt's pass from waiting for a prefix that will never be whole."""
+        if self.feed is not None:
+            self.feed.fail(message)
         if self.state is not ReservationState.CLOSED:
             self.events.put_nowait(Failure(code, message))
 

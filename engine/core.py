@@ -267,10 +267,7 @@ class EngineCore:
         layer_s = now - max(self._boundary_at, self._stepped_at)
         self._boundary_at = now
         if (self.running or self._joining) and now - self._stepped_at + layer_s > self.pass_budget_s():
-            try:
-                self._decode_step()
-            except Exception:  # the step failed its own sequences; the pass goes on
-                log.exception("decode step between prompt layers failed")
+            self._step_inside_pass("between prompt layers")
 
     def _step_while_waiting(self) -> bool:
         """A split prompt's pass waits for its prefix's next layer: the streams here take a step meanwhile (True),
@@ -278,12 +275,16 @@ class EngineCore:
         self._busy_since = time.perf_counter()
         if not (self.running or self._joining):
             return False
-        try:
-            self._decode_step()
-        except Exception:  # the step failed its own sequences; the pass goes on
-            log.exception("decode step while a split prompt waited failed")
+        self._step_inside_pass("while a split prompt waited")
         self._boundary_at = time.perf_counter()
         return True
+
+    def _step_inside_pass(self, where: str) -> None:
+        """A decode step run from inside a prompt pass: one that fails fails its own sequences; the pass goes on."""
+        try:
+            self._decode_step()
+        except Exception:
+            log.exception("decode step %s failed", where)
 
     def pass_budget_s(self) -> float:
         """How long a colocated prompt pass may run since the last decode step, the least any running sequence

@@ -193,28 +193,20 @@ async def run(
     transfer: asyncio.Future[prefill_pb2.PrefillEvent] | None = None
     decode_read: asyncio.Future | None = None
     try:
-        if split:
-            timings.kv_transport = "split"
+        if split:  # the decode worker samples the first token: its stream carries every token
             transfer = asyncio.ensure_future(_prefix_sent(prefill_call, prefill_worker, timings))
-            async for tokens in _decoded(decode_call, decode_worker, transfer, None, idle_timeout_s):
-                if tokens.finish_reason and _succeeded(transfer):
-                    _record_transfer(timings, transfer.result())
-                    pairs.succeeded(prefill_worker.address, decode_worker.address)
-                yield tokens
-                if tokens.finish_reason:
-                    break
-            return
-        prefill_worker.prefilling_tokens += len(params.prompt_ids)  # its load, for routing, until the first token
-        try:
-            first, decode_read = await _first_token(prefill_call, prefill_worker, decode_call, decode_worker)
-        finally:
-            prefill_worker.prefilling_tokens -= len(params.prompt_ids)
-        prefill_worker.succeeded()
-        timings.prefill_queue_ms, timings.prefill_ms = first.first_token.queue_ms, first.first_token.forward_ms
-        if not timings.migrations:  # a re-prefill after a migration has a longer prompt than the client's
-            timings.cached_tokens = first.first_token.cached_tokens
-        yield Tokens([first.first_token.token_id])
-        transfer = asyncio.ensure_future(_prefill_event(prefill_call, prefill_worker, "transfer_done"))
+        else:
+            prefill_worker.prefilling_tokens += len(params.prompt_ids)  # its load, for routing, until the first token
+            try:
+                first, decode_read = await _first_token(prefill_call, prefill_worker, decode_call, decode_worker)
+            finally:
+                prefill_worker.prefilling_tokens -= len(params.prompt_ids)
+            prefill_worker.succeeded()
+            timings.prefill_queue_ms, timings.prefill_ms = first.first_token.queue_ms, first.first_token.forward_ms
+            if not timings.migrations:  # a re-prefill after a migration has a longer prompt than the client's
+                timings.cached_tokens = first.first_token.cached_tokens
+            yield Tokens([first.first_token.token_id])
+            transfer = asyncio.ensure_future(_prefill_event(prefill_call, prefill_worker, "transfer_done"))
         async for tokens in _decoded(decode_call, decode_worker, transfer, decode_read, idle_timeout_s):
             if tokens.finish_reason and transfer is not None:
                 # The last response carries the timing. Decode finished, so it acknowledged the KV and prefill's
