@@ -5,6 +5,7 @@ failure, or KV that never came, as the call's status."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import NoReturn
@@ -13,6 +14,8 @@ import grpc
 
 from decode_service.reservations import Failure, Reservation, ReservationState
 from engine.sequence import FAILED
+
+log = logging.getLogger(__name__)
 
 Abort = Callable[[grpc.StatusCode, str], Awaitable[NoReturn]]  # the call's ServicerContext.abort
 
@@ -39,9 +42,10 @@ async def relay(reservation: Reservation, abort: Abort, stalled: Callable[[], fl
                 # the KV arrived just in time (tokens follow), or prefill renewed the lease meanwhile
                 if reservation.state is ReservationState.ADMITTED or time.monotonic() < reservation.expires_at:
                     continue
-                await abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"KV for request {reservation.params.request_id!r} did not arrive, nor did "
-                            f"prefill renew the {lease_s:g} s lease")
+                message = (f"KV for request {reservation.params.request_id!r} did not arrive, nor did prefill renew "
+                           f"the {lease_s:g} s lease")
+                log.warning("%s: reservation released (%s)", message, reservation.state.value)
+                await abort(grpc.StatusCode.DEADLINE_EXCEEDED, message)
         if isinstance(event, Failure):
             await abort(event.code, event.message)
             return

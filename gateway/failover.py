@@ -112,21 +112,23 @@ async def _with_failover(
                                retry_after_ms=max(1, late_ms))
         decision.commit()
         began = loop.time()
+        attempt_tokens = run(attempt, prefill, decode, timings, timeout, decision.colocated, frozenset(failed), pairs,
+                             policy.idle_timeout_s, decision.decode, decision.split if not attempt.decoded else 0)
         try:
-            async for tokens in run(attempt, prefill, decode, timings, timeout, decision.colocated,
-                                    frozenset(failed), pairs, policy.idle_timeout_s, decision.decode,
-                                    decision.split if not attempt.decoded else 0):
-                if timings.attempt_ttft_s is None and tokens.token_ids:
-                    timings.attempt_ttft_s = loop.time() - began
-                    decision.first_token(timings.attempt_ttft_s)
-                    decision.release()
-                    trace.get_current_span().set_attribute("pdserve.placement.ttft_s", timings.attempt_ttft_s)
-                sent += tokens.token_ids
-                if tokens.finish_reason:
-                    _learn_handoff(colocation, decision, timings, len(attempt.prompt_ids))
-                yield tokens
-                if tokens.finish_reason:
-                    return
+            # aclosing: this generator closed at its yield closes the attempt's too, so its worker calls end now
+            async with contextlib.aclosing(attempt_tokens):
+                async for tokens in attempt_tokens:
+                    if timings.attempt_ttft_s is None and tokens.token_ids:
+                        timings.attempt_ttft_s = loop.time() - began
+                        decision.first_token(timings.attempt_ttft_s)
+                        decision.release()
+                        trace.get_current_span().set_attribute("pdserve.placement.ttft_s", timings.attempt_ttft_s)
+                    sent += tokens.token_ids
+                    if tokens.finish_reason:
+                        _learn_handoff(colocation, decision, timings, len(attempt.prompt_ids))
+                    yield tokens
+                    if tokens.finish_reason:
+                        return
             return
         except NoDecodeCapacity:
             decision.release()

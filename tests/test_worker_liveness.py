@@ -303,6 +303,24 @@ def test_a_worker_call_cancelled_under_the_stream_migrates_it_and_only_the_calle
     asyncio.run(scenario())
 
 
+def test_a_stream_closed_at_a_token_has_cancelled_its_worker_calls_when_close_returns() -> None:
+    """How the gateway ends a request whose client went away while a token was on its way to it: the attempt's
+    calls end then, not when the garbage collector or the loop's generator finalizer gets to them (a decode
+    worker would keep the reservation, its KV budget and a lent segment, meanwhile)."""
+    async def scenario() -> None:
+        silent = FakeStub(lambda _: [RESERVED])
+        prefill, decode = _pools(silent)
+        tokens = run_with_failover(_params(6), prefill, decode, Timings(), None, False, RetryPolicy(), None)
+        assert (await asyncio.wait_for(anext(tokens), 10)).token_ids == [ANSWER[0]]
+        await tokens.aclose()
+        assert silent.calls[0].cancelled and prefill.workers[0].stub.calls[0].cancelled
+        assert _held_calls(prefill, decode) == [0, 0]
+        await prefill.close()
+        await decode.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_failure_after_the_last_token_that_no_retry_could_fix_still_ends_with_the_finish() -> None:
     async def scenario() -> None:
         delivered = asyncio.Event()
