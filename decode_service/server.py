@@ -33,23 +33,14 @@ from opentelemetry.trace import SpanKind
 
 from decode_service.config import DecodeConfig
 from decode_service.handlers import control_handlers, kv_handlers, registering
-from decode_service.inbox import KVInbox
-from decode_service.lending import SegmentLender
-from decode_service.metrics import decode_metrics, observe_interval, observe_step, record_sequence
 from decode_service.relay import relay
-from decode_service.reservations import CapacityExhausted, Reservation, ReservationState, ReservationTable
+from decode_service.reservations import CapacityExhausted, ReservationState
 from decode_service.validation import decode_params
-from engine.client import EngineClient
-from engine.core import EngineCore
-from engine.prompts import PrefixFeed
-from engine.sequence import Sequence
+from decode_service.worker import DecodeWorker
 from kv_wire import segments
 from kv_wire.layout import KVTransferError
-from kv_wire.receiver import ReceivedKV
-from kv_wire.segments import SegmentPool
 from model_runner.forward import warm_up
 from model_runner.loading import LoadedModel
-from model_runner.paged_cache import BLOCK_SIZE
 from protos import decode_pb2, decode_pb2_grpc, worker_pb2
 from protos.convert import model_info
 from serving import logs, tracing
@@ -60,29 +51,14 @@ log = logging.getLogger(__name__)
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    """The proto edge of a DecodeWorker (worker.py)."""
+
     def __init__(self, config: DecodeConfig, runner: LoadedModel) -> None:
-        spec = runner.spec
         self.config = config
-        self.spec = spec
+        self.spec = runner.spec
         self.kv_port = 0  # TransferKV's own port, once listening; 0: the main port
-        budget = config.kv_budget_bytes(spec)
-        self.table = ReservationTable(config.max_seqs, budget, spec.kv_bytes_per_token, config.lease_s)
-        # Every reservation's blocks fit: the budget in whole blocks, plus a partly used last block per sequence.
-        blocks = budget // (BLOCK_SIZE * spec.kv_bytes_per_token) + config.max_seqs
-        self.engine = EngineCore(runner, kv_blocks=blocks, chunk_tokens=config.prefill_chunk,
-                                 batch_tokens=config.prefill_batch_tokens,
-                                 kv_warm_bytes=min(int(config.kv_warm_mb * (1 << 20)), budget),
-                                 on_step=lambda seconds, batch: observe_step(self.metrics, seconds, batch),
-                                 prompt_pass_s=config.prefill_pass_ms / 1e3, pass_steps=config.prefill_pass_steps,
-                                 on_interval=lambda seconds: observe_interval(self.metrics, seconds),
-                                 busy_pass_steps=config.prefill_busy_steps,
-                                 busy_backlog_s=config.prefill_busy_ms / 1e3)
-        self.client = EngineClient(self.engine)  # the engine thread's hops to this event loop
-        keep = int(config.buffer_keep_mb * (1 << 20))
-        pool = SegmentPool(keep_bytes=keep) if config.kv_shm and segments.SHM_DIR.is_dir() else None
-        self.lender = SegmentLender(pool, spec.kv_bytes_per_token)
-        self.metrics = decode_metrics(self.engine, self.table, self.lender)
-        self.inbox = KVInbox(spec, self.table, self._admit, self.metrics, config.lease_s, config.max_chunk_bytes)
+        self.worker = DecodeWorker(config, runner)
+        self.inbox = self.worker.inbox  # TransferKV's handler (handlers.py)
 
     async def Generate(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
@@ -116,30 +92,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             params = decode_params(self.spec, request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        worker = self.worker
         try:
-            reservation = self.table.reserve(params)
+            reservation = worker.table.reserve(params)
         except CapacityExhausted as exc:
-            self.metrics.count("pdserve_rejections")
+            worker.metrics.count("pdserve_rejections")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker full: {exc}")
         try:
-            if params.split_tokens:  # split: the prefix's KV comes from prefill while this worker runs the rest
-                reservation.feed = PrefixFeed(params.split_tokens, self.spec.num_layers)
-                reservation.sequence = self._sequence(reservation, tokens=[])
-                self.engine.submit_prompt(reservation.sequence, list(params.prompt), cache_salt=params.cache_salt,
-                                          feed=reservation.feed)
-                await self.lender.lend(reservation)
-            elif params.prompt:  # colocated: prefilled here, no KV to wait for
-                reservation.state = ReservationState.ADMITTED
-                reservation.sequence = self._sequence(reservation, tokens=[])
-                self.engine.submit_prompt(reservation.sequence, list(params.prompt), params.decoded_tokens,
-                                          params.cache_salt)
-            else:
-                await self.lender.lend(reservation)
-            lease_ms = int(self.config.lease_s * 1000)
+            await worker.start(reservation)
             yield decode_pb2.DecodeEvent(reserved=decode_pb2.Reservation(
-                token=reservation.token, lease_ms=lease_ms, kv_port=self.kv_port,
+                token=reservation.token, lease_ms=int(self.config.lease_s * 1000), kv_port=self.kv_port,
                 shm_segment=reservation.segment.name if reservation.segment else ""))
-            async for tokens in relay(reservation, context.abort, self.engine.stalled, self.config.server.stall_s,
+            async for tokens in relay(reservation, context.abort, worker.engine.stalled, self.config.server.stall_s,
                                       self.config.lease_s):
                 if tokens is None:
                     yield decode_pb2.DecodeEvent(prefilling=decode_pb2.Prefilling())
@@ -147,46 +111,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 token_ids, reason = tokens
                 yield decode_pb2.DecodeEvent(tokens=decode_pb2.DecodedTokens(token_ids=token_ids, finish_reason=reason))
         except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: cancelled while grpc wrote our last event
-            self.metrics.count("pdserve_cancellations")
+            worker.metrics.count("pdserve_cancellations")
             raise
         finally:  # done, cancelled, expired or failed: free everything this request holds
-            if reservation.sequence is not None:
-                self.engine.abort(reservation.sequence)
-                record_sequence(self.metrics, reservation.sequence, colocated=bool(params.prompt))
-                log.info("released after %d tokens (%s)", len(reservation.sequence.tokens),
-                         "colocated" if params.prompt else "KV received")
-            self.lender.retire(reservation)  # admitted KV took its segment already
-            self.table.release(reservation)
-            if reservation.transfer is not None and not reservation.transfer.done():
-                reservation.transfer.cancel()  # a KV stream still arriving for a request nobody waits for
-
-    def _admit(self, reservation: Reservation, received: ReceivedKV) -> None:
-        """Step 3, for the KV inbox: the whole KV joins the batch at the next step."""
-        if reservation.state is not ReservationState.TRANSFERRING:  # released while the last chunk was checked
-            return  # (and its segment retired)
-        release = self.lender.hand_back(reservation, received.in_segment)
-        reservation.state = ReservationState.ADMITTED
-        if reservation.feed is not None:  # split: every layer went to the pass already, copied out
-            release()
-            return
-        reservation.sequence = self._sequence(reservation, tokens=[received.first_token])
-        self.engine.submit_kv(reservation.sequence, received.pieces, release)
-
-    def _sequence(self, reservation: Reservation, tokens: list[int]) -> Sequence:
-        """The engine's view of a reservation; its tokens stream back through the reservation's events."""
-        params = reservation.params
-        return Sequence(request_id=params.request_id, prompt_len=params.prompt_tokens, max_tokens=params.max_tokens,
-                        sampling=params.sampling,
-                        stop_token_ids=frozenset() if params.ignore_eos else frozenset(self.spec.eos_token_ids),
-                        emit=self.client.emit_to(reservation.events.put_nowait), tokens=tokens,
-                        steps=[] if tracing.recording() else None, tpot_target_s=params.tpot_target_ms / 1e3)
+            worker.release(reservation)
 
     async def RenewLease(
         self, request: decode_pb2.LeaseRenewal, context: grpc.aio.ServicerContext
     ) -> decode_pb2.LeaseRenewed:
         await require_peer(context, "prefill", "RenewLease")
         try:
-            self.table.renew(request.request_id, request.reservation_token)
+            self.worker.table.renew(request.request_id, request.reservation_token)
         except KVTransferError as exc:
             await context.abort(exc.code, str(exc))
         return decode_pb2.LeaseRenewed(lease_ms=int(self.config.lease_s * 1000))
@@ -194,18 +129,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def GetInfo(
         self, request: worker_pb2.WorkerInfoRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerInfo:
-        return self.engine.report_costs(worker_pb2.WorkerInfo(
-            role="decode",
-            model=model_info(self.spec),
-            live_reservations=self.table.awaiting_kv,
-            live_transfers=self.table.count(ReservationState.TRANSFERRING),
-            live_sequences=self.engine.live_sequences,
-            live_kv_bytes=self.table.kv_bytes,
-            max_sequences=self.config.max_seqs,
-            kv_budget_bytes=self.table.kv_budget_bytes,
-            pid=os.getpid(),
-            live_buffer_bytes=self.lender.lent_bytes,
-        ))
+        table = self.worker.table
+        return self.worker.engine.report_costs(worker_pb2.WorkerInfo(
+            role="decode", model=model_info(self.spec), live_reservations=table.awaiting_kv,
+            live_transfers=table.count(ReservationState.TRANSFERRING), live_sequences=self.worker.engine.live_sequences,
+            live_kv_bytes=table.kv_bytes, max_sequences=self.config.max_seqs, kv_budget_bytes=table.kv_budget_bytes,
+            pid=os.getpid(), live_buffer_bytes=self.worker.lender.lent_bytes))
 
 
 async def serve(config: DecodeConfig) -> None:
@@ -213,8 +142,9 @@ async def serve(config: DecodeConfig) -> None:
     runner = await asyncio.to_thread(config.model.load)
     await asyncio.to_thread(warm_up, runner)
     servicer = DecodeServicer(config, runner)
-    await servicer.client.calibrate()
-    servicer.engine.start()
+    worker = servicer.worker
+    await worker.client.calibrate()
+    worker.engine.start()
 
     control, kv = control_handlers(servicer), kv_handlers(servicer)
 
@@ -226,9 +156,5 @@ async def serve(config: DecodeConfig) -> None:
     else:
         control.update(kv)
 
-    async def shutdown() -> None:
-        await servicer.client.close()
-        servicer.lender.close()
-
-    await serving.serve("decode", config.server, registering(control), shutdown, servicer.metrics, announce, also,
-                        stalled=servicer.engine.stalled)
+    await serving.serve("decode", config.server, registering(control), worker.close, worker.metrics, announce, also,
+                        stalled=worker.engine.stalled)

@@ -225,7 +225,7 @@ def test_a_request_cancelled_while_its_segment_is_being_made_gets_it_back(tiny_m
 
     config = DecodeConfig(server=ServerConfig(), model=ModelConfig(model=str(tiny_model_dir)), kv_warm_mb=0)
     servicer = DecodeServicer(config, config.model.load())
-    pool = servicer.lender.pool
+    pool = servicer.worker.lender.pool
     assert pool is not None
     acquiring, cancelled, made = threading.Event(), threading.Event(), threading.Event()
 
@@ -241,8 +241,8 @@ def test_a_request_cancelled_while_its_segment_is_being_made_gets_it_back(tiny_m
 
     async def cancel_mid_acquire() -> None:
         # 1. Reserve, and start lending the reservation a segment.
-        reservation = servicer.table.reserve(DecodeParams("r", 8, 4, SamplingParams(temperature=0.0), False))
-        lending = asyncio.ensure_future(servicer.lender.lend(reservation))
+        reservation = servicer.worker.table.reserve(DecodeParams("r", 8, 4, SamplingParams(temperature=0.0), False))
+        lending = asyncio.ensure_future(servicer.worker.lender.lend(reservation))
         # 2. Cancel the request while the segment is being made.
         assert await asyncio.to_thread(acquiring.wait, 5)
         lending.cancel()
@@ -253,7 +253,7 @@ def test_a_request_cancelled_while_its_segment_is_being_made_gets_it_back(tiny_m
         assert await asyncio.to_thread(made.wait, 5)
         await asyncio.to_thread(wait_until, lambda: pool.held_bytes == 0, "the late segment back in its pool",
                                 timeout_s=5)
-        servicer.table.release(reservation)
+        servicer.worker.table.release(reservation)
 
     try:
         asyncio.run(cancel_mid_acquire())

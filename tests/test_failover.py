@@ -112,8 +112,8 @@ def test_both_services_hand_a_migrated_stream_s_decoded_tokens_to_their_engine(t
     prefill = PrefillServicer(PrefillConfig(server=ServerConfig(), model=model, prefix_cache_mb=0), runner)
     decode = DecodeServicer(DecodeConfig(server=ServerConfig(), model=model, kv_warm_mb=0), runner)
     jobs, prompts = [], []
-    prefill.engine.submit = lambda job: (jobs.append(job), job.abandon.set())  # type: ignore[method-assign]
-    decode.engine.submit_prompt = lambda seq, prompt, decoded=0, cache_salt="": prompts.append(  # type: ignore[method-assign]
+    prefill.worker.engine.submit = lambda job: (jobs.append(job), job.abandon.set())  # type: ignore[method-assign]
+    decode.worker.engine.submit_prompt = lambda seq, prompt, decoded=0, cache_salt="": prompts.append(  # type: ignore[method-assign]
         (list(prompt), decoded))
 
     async def requests() -> None:
@@ -134,7 +134,7 @@ def test_both_services_hand_a_migrated_stream_s_decoded_tokens_to_their_engine(t
     try:
         asyncio.run(requests())
     finally:
-        prefill.engine.close()
-        decode.engine.close()
+        prefill.worker.engine.close()
+        decode.worker.engine.close()
     assert [(job.token_ids, job.decoded) for job in jobs] == [([5, 6, 7, 8, 9], 2)]
     assert prompts == [([5, 6, 7, 8, 9], 2)]

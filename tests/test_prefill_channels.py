@@ -104,7 +104,7 @@ def test_the_prefill_service_lets_go_of_channels_to_decode_workers_that_went_awa
         prefill_pb2_grpc.add_PrefillServicer_to_server(prefill, server)
         address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
         await server.start()
-        prefill._channels.max_channels = 3
+        prefill.worker.channels.max_channels = 3
         try:
             async with grpc.aio.insecure_channel(address) as channel:
                 stub = prefill_pb2_grpc.PrefillStub(channel)
@@ -116,9 +116,9 @@ def test_the_prefill_service_lets_go_of_channels_to_decode_workers_that_went_awa
                         async for _ in stub.Prefill(request, timeout=60):
                             pass
                     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
-                    assert len(prefill._channels) <= 3
+                    assert len(prefill.worker.channels) <= 3
         finally:
             await server.stop(None)
-            await prefill.close()
+            await prefill.worker.close()
 
     asyncio.run(run())
