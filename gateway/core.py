@@ -32,6 +32,7 @@ from opentelemetry.trace import SpanKind
 
 from gateway.admission import Admission, AdmissionConfig, Overloaded
 from gateway.auth import ApiKeys
+from gateway.breakers import PairBreakers
 from gateway.detokenizer import TextStream
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.failover import RetryPolicy, run_with_failover
@@ -39,7 +40,7 @@ from gateway.journey import Timings
 from gateway.messages import Delta, GenerateInput, Timing, Usage
 from gateway.placement import Placement
 from gateway.request import MAX_REQUEST_ID_CHARS, GenerateParams, Undecodable, parse_request
-from gateway.workers import PairBreakers, Pool
+from gateway.workers import Pool
 from protos import worker_pb2
 from serving import logs, tracing
 from serving.metrics import Metrics

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry import trace
 
+from gateway.breakers import PairBreakers
 from gateway.errors import GatewayError, NoDecodeCapacity
 from gateway.journey import Timings, Tokens, run
 from gateway.placement import Decision, Placement
 from gateway.request import GenerateParams
-from gateway.workers import PairBreakers, Pool
+from gateway.workers import Pool
 from serving.settings import check_settings, setting
 
 log = logging.getLogger(__name__)

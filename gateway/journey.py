@@ -15,10 +15,11 @@ from typing import Any
 
 import grpc
 
+from gateway.breakers import PairBreakers
 from gateway.errors import GatewayError, NoDecodeCapacity
 from gateway.messages import HopTimes
 from gateway.request import GenerateParams
-from gateway.workers import PairBreakers, Pool, Worker
+from gateway.workers import Pool, Worker
 from protos import decode_pb2, prefill_pb2
 from protos.convert import sampling_to_pb
 from serving import tracing

@@ -10,7 +10,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.workers import Colocation, PairBreakers, Pool
+from gateway.breakers import PairBreakers
+from gateway.workers import Colocation, Pool
 from pdserve.client import generate, stream
 from pdserve.cluster import Service, spawn_service, stop_all, wait_ready
 from protos import worker_pb2
