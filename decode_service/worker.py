@@ -12,7 +12,7 @@ from decode_service.metrics import decode_metrics, observe_interval, observe_ste
 from decode_service.reservations import DecodeParams, Reservation, ReservationState, ReservationTable
 from engine.client import EngineClient
 from engine.core import EngineCore
-from engine.prompts import PrefixFeed
+from engine.feed import PrefixFeed
 from engine.sequence import Sequence
 from kv_wire import segments
 from kv_wire.receiver import ReceivedKV

@@ -19,7 +19,8 @@ import time
 from collections.abc import Callable
 
 from engine.batch import DecodeBatch
-from engine.prompts import Abandoned, Prefilled, PrefixFeed, PromptJob, PromptQueue
+from engine.feed import PrefixFeed
+from engine.prompts import Abandoned, Prefilled, PromptJob, PromptQueue
 from engine.sequence import FAILED, Sequence
 from model_runner.loading import LoadedModel
 from model_runner.paged_cache import KVPieces, pieces_of

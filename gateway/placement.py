@@ -300,7 +300,7 @@ class Placement:
 
     def _split_options(self, prompt_tokens: int, prefill_workers: list[Worker], decode_workers: list[Worker],
                        tpot_s: float, cached: dict[str, int]) -> list[Option]:
-        """Split prefill (engine/prompts.py PrefixFeed): an idle prefill worker prefills the prompt's first k
+        """Split prefill (engine/feed.py PrefixFeed): an idle prefill worker prefills the prompt's first k
         tokens while a decode worker prefills the rest in one pass that takes each layer of the prefix's KV as it
         comes. Both run layer by layer side by side, so the first token comes when the slower part is done:
         TTFT = max(prompt(p, k), (wait(d) + rest(d, n - k after k)) / s) + step, s the decode worker's share of

@@ -18,7 +18,8 @@ import grpc
 import torch
 
 from engine.core import EngineCore
-from engine.prompts import Prefilled, PrefixFeed, PromptJob
+from engine.feed import PrefixFeed
+from engine.prompts import Prefilled, PromptJob
 from engine.sequence import Sequence
 from kv_wire.layout import KVLayout
 from kv_wire.sender import KVSender

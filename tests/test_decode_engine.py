@@ -10,7 +10,7 @@ import torch
 
 import engine.prompts as prompts_module
 from engine.core import EngineCore
-from engine.prompts import PrefixFeed
+from engine.feed import PrefixFeed
 from engine.sequence import FAILED, Sequence
 from model_runner import forward
 from model_runner.loading import LoadedModel
