@@ -47,7 +47,7 @@ class DecodeConfig(WorkerSettings):
         "recent mean) if that is less than --prefill-pass-ms, so on a fast machine a stream's slowest token "
         "interval stays near 1 + this many steps; 0: --prefill-pass-ms alone", low=0)
     prefill_busy_steps: float = setting(
-        0.0, "colocated prompts: while those queued here would take more than --prefill-busy-ms to prefill, a pass "
+        2.0, "colocated prompts: while those queued here would take more than --prefill-busy-ms to prefill, a pass "
         "may run this many decode steps before one (if more than the budget above), so this core takes most of a "
         "prompt backlog's work while its streams wait about 1 + this many steps per token; 0: off", low=0)
     prefill_busy_ms: float = setting(

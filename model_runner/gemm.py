@@ -16,7 +16,8 @@ PDSERVE_PROMPT_GEMM): by default (auto), on CPUs with AMX-BF16, to oneDNN's AMX 
 kernel above at prompt shapes (docs/kernels.md, "Prompt GEMMs on AMX"). With PDSERVE_PROMPT_GEMM=fp32, to torch's
 float32 GEMM on a float32 copy of the weight: 1.3-1.6x the kernel's rate on a CPU without AVX512-BF16 in blocks of
 64 rows, which pays for a long prompt's passes but not for a single chat prompt's or 32-token chunks', padded to
-64 rows (docs/kernels.md, "Prompt GEMMs in float32"). Both stay batch and chunk invariant: every call multiplies a
+64 rows (docs/kernels.md, "Prompt GEMMs in float32"); auto chooses it for a prefill worker whose kernel runs
+AVX-512 without AVX512-BF16. Both stay batch and chunk invariant: every call multiplies a
 fixed number of rows (the last block zero-padded), so a row's bits depend only on the row, never on how many rows
 came with it or where it sits in its block (tested). Each bfloat16 weight then has a second copy, reordered for
 oneDNN or in float32 (twice its bytes: float32 copies stop once they would take more than a quarter of the memory
@@ -209,23 +210,25 @@ def _fp32_copy(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 PROMPT_GEMMS = ("auto", "kernel", "amx", "fp32")
-_chosen: list[str] = []  # a worker's --prompt-gemm (choose_prompt_gemm); none: PDSERVE_PROMPT_GEMM decides
+_chosen: list[tuple[str, bool]] = []  # a worker's --prompt-gemm and role (choose_prompt_gemm); none: the environment
 
 
-def choose_prompt_gemm(choice: str | None) -> None:
+def choose_prompt_gemm(choice: str | None, prompt_worker: bool = False) -> None:
     """Prompt GEMMs of weights packed from now on go where `choice` (one of PROMPT_GEMMS: a worker's --prompt-gemm,
-    as ModelConfig checked it) says, as far as the CPU allows (`prompt_gemm`); None: where PDSERVE_PROMPT_GEMM
-    says, as in a process that loads no ModelConfig (a benchmark, a test)."""
-    _chosen[:] = [] if choice is None else [choice]
+    as ModelConfig checked it) says, as far as the CPU allows (`prompt_gemm`), for a worker whose passes are
+    mostly long prompts (`prompt_worker`: a prefill worker) or not; None: where PDSERVE_PROMPT_GEMM says, as in a
+    process that loads no ModelConfig (a benchmark, a test)."""
+    _chosen[:] = [] if choice is None else [(choice, prompt_worker)]
     prompt_gemm.cache_clear()
 
 
 @functools.cache
 def prompt_gemm() -> str:
     """Where prompt GEMMs of bfloat16 weights go: "amx" (oneDNN's AMX kernels), "fp32" (torch's float32 GEMM on a
-    float32 copy) or "kernel" (the kernel above), as chosen (auto: amx where the CPU has it, else kernel) and as
-    the CPU allows."""
-    asked = _chosen[0] if _chosen else os.environ.get("PDSERVE_PROMPT_GEMM", "auto")
+    float32 copy) or "kernel" (the kernel above), as chosen and as the CPU allows. auto: amx where the CPU has it;
+    else, for a prefill worker, fp32 where the kernel runs AVX-512 without AVX512-BF16 (there it prefills a long
+    prompt ~1.2x faster, docs/kernels.md); else kernel."""
+    asked, prompt_worker = _chosen[0] if _chosen else (os.environ.get("PDSERVE_PROMPT_GEMM", "auto"), False)
     if asked not in PROMPT_GEMMS:
         raise ValueError(f"prompt GEMMs {asked!r} (--prompt-gemm, PDSERVE_PROMPT_GEMM): expected one of "
                          f"{', '.join(PROMPT_GEMMS)}")
@@ -233,6 +236,8 @@ def prompt_gemm() -> str:
         return "kernel"
     if asked in ("auto", "amx") and amx_prompts():
         return "amx"
+    if asked == "auto" and prompt_worker and kernel_path(torch.bfloat16) == "avx512":
+        return "fp32"
     return "fp32" if asked == "fp32" else "kernel"
 
 

@@ -226,17 +226,19 @@ class ModelConfig:
     prompt_gemm: str = setting(
         "auto", "where prompt GEMMs of bfloat16 weights run: kernel (the decode kernel), fp32 (torch's float32 GEMM "
         "on a float32 copy of each weight: faster for long prompts on CPUs without AVX512-BF16, slower for short "
-        "ones), amx (oneDNN's AMX kernels); auto: amx where the CPU has it, else kernel", choices=gemm.PROMPT_GEMMS)
+        "ones), amx (oneDNN's AMX kernels); auto: amx where the CPU has it, else on a prefill worker fp32 where the "
+        "CPU has AVX-512 but not AVX512-BF16, else kernel", choices=gemm.PROMPT_GEMMS)
 
     def __post_init__(self) -> None:
         check_settings(self)
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"--device {self.device!r}: expected cpu or cuda[:N]")
 
-    def load(self) -> LoadedModel:
+    def load(self, prompt_worker: bool = False) -> LoadedModel:
+        """The model, for a prefill worker (`prompt_worker`: its passes are mostly long prompts) or not."""
         if self.threads:
             torch.set_num_threads(self.threads)
-        gemm.choose_prompt_gemm(self.prompt_gemm)  # the setting (its flag, or PDSERVE_PROMPT_GEMM) decides
+        gemm.choose_prompt_gemm(self.prompt_gemm, prompt_worker)  # the setting (its flag, or PDSERVE_PROMPT_GEMM)
         return load_model(resolve_model(self.model), self.dtype, self.device, self.max_model_len, self.runner)
 
 

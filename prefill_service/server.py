@@ -155,7 +155,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
 
 async def serve(config: PrefillConfig) -> None:
-    runner = await asyncio.to_thread(config.model.load)
+    runner = await asyncio.to_thread(config.model.load, True)  # a prompt worker: its prompt GEMMs' auto choice
     await asyncio.to_thread(forward.warm_up, runner)
     servicer = PrefillServicer(config, runner)
     worker = servicer.worker

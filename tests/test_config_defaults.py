@@ -220,3 +220,30 @@ def test_a_worker_s_prompt_gemm_flag_wins_over_the_environment_auto_included(
         assert gemm.prompt_gemm() != "fp32"
     finally:
         gemm.choose_prompt_gemm(None)
+
+
+def test_auto_prompt_gemms_go_to_float32_only_on_a_prefill_worker_whose_kernel_lacks_avx512_bf16(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where it was measured faster (docs/kernels.md): a prefill worker, on AVX-512 without AVX512-BF16.
+    PDSERVE_GEMM=avx512 runs the kernel's AVX-512 code without its BF16 instructions on any AVX-512 CPU."""
+    import torch
+
+    from model_runner import gemm
+
+    monkeypatch.setenv("PDSERVE_GEMM", "avx512")
+    path = gemm.kernel_path(torch.bfloat16)
+    try:
+        chosen = {}
+        for worker in (False, True):
+            gemm.choose_prompt_gemm("auto", prompt_worker=worker)
+            chosen[worker] = gemm.prompt_gemm()
+        if gemm.amx_prompts():
+            assert chosen == {False: "amx", True: "amx"}
+        elif path == "avx512":  # this CPU has AVX-512: the prefill worker's prompts go to float32, decode's stay
+            assert chosen == {False: "kernel", True: "fp32"}
+        else:  # AVX2 (the kernel's AVX2 path ~ torch's float32 GEMM there) or no kernel at all
+            assert chosen == {False: "kernel", True: "kernel"}
+        gemm.choose_prompt_gemm("kernel", prompt_worker=True)  # a flag still wins
+        assert gemm.prompt_gemm() == "kernel"
+    finally:
+        gemm.choose_prompt_gemm(None)
