@@ -71,6 +71,8 @@ HELD_INFO = ("live_reservations", "live_sequences", "live_kv_bytes", "live_buffe
 # Bytes held on purpose, each bounded by a flag (--prefix-cache-mb; decode's segments): RSS that grows with them is
 # a cache filling, not a leak. Sampled and reported beside RSS.
 CACHE_GAUGES = ("pdserve_prefix_cache_pool_bytes", "pdserve_mapped_segment_bytes", "pdserve_prefix_index_bytes")
+# A soak whose gauges did not drain keeps polling this long more, to report whether they drain by themselves
+LATE_DRAIN_S = 45.0
 RSS_LEVEL_PERCENTILE = 10  # a window's level: its floor, which a leak raises and the heap's churn does not
 WORDS = "the river carried silver light past the old mill while children counted boats".split()
 
@@ -774,14 +776,28 @@ def run(args: argparse.Namespace) -> int:
         load = asyncio.run(drive(facts, args))
         load_s = time.monotonic() - sampler.started
         drained_s, gauges = drain(cluster, args.drain_timeout)
+        late_s = None
+        if drained_s is None:  # held: whether it ends by itself (decode's lease, 30 s), for the report
+            late, _ = drain(cluster, LATE_DRAIN_S)
+            late_s = None if late is None else round(args.drain_timeout + late, 3)
         sampler.stop()
         # the end level is taken under full load, before the requests in flight wind down
         processes = judge(sampler, warmup_s, min(load_s, args.duration), window_s, args.fd_slack)
     finally:
         cluster.stop()
     result = _report(args, warmup_s, window_s, colocate_below, load, load_s, drained_s, gauges, processes, sampler)
+    if drained_s is None:
+        result["drained_late_s"], result["worker_warnings"] = late_s, _worker_warnings(log.name)
     publish(args, "soak", result, lambda: _table(result), lambda path: plot(result, path))
     return 0 if result["verdict"]["ok"] else 1
+
+
+def _worker_warnings(path: str, most: int = 20) -> list[str]:
+    """The workers' last warnings and errors in the soak's log (the gateway's are mostly the hostile load's)."""
+    with open(path, errors="replace") as lines:
+        found = [line.rstrip() for line in lines
+                 if (" WARNING " in line or " ERROR " in line) and " gateway." not in line]
+    return found[-most:]
 
 
 def _report(args: argparse.Namespace, warmup_s: float, window_s: float, colocate_below: int, load: Load, load_s: float,

@@ -75,7 +75,8 @@ def test_soak_samples_every_process_counts_every_status_and_drains(soak: tuple[d
     assert set(by_kind["grpc_duplicate_id"]) == {"ALREADY_EXISTS"}
 
     # 3. nothing held once the load stopped: every live gauge and GetInfo count read 0
-    assert result["drained_s"] is not None and result["held_at_end"] == {}, result["live_gauges_end"]
+    assert result["drained_s"] is not None and result["held_at_end"] == {}, (
+        result["held_at_end"], result.get("drained_late_s"), result.get("worker_warnings"))
     gauges = result["live_gauges_end"]
     assert {"metrics.pdserve_live_requests", "metrics.pdserve_queued_requests"} <= set(gauges["gateway"])
     assert {"metrics.pdserve_live_prefills", "metrics.pdserve_queued_tokens", "info.queued_tokens"} <= set(
