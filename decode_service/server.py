@@ -98,6 +98,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         except CapacityExhausted as exc:
             worker.metrics.count("pdserve_rejections")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker full: {exc}")
+        # The call's end frees the request too: a stream gRPC stops iterating and drops unclosed (a cancel landing
+        # as it writes) is closed only when collected, which a cycle can put off past the lease.
+        context.add_done_callback(lambda _: worker.release(reservation))
         try:
             await worker.start(reservation)
             yield decode_pb2.DecodeEvent(reserved=decode_pb2.Reservation(

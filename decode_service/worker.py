@@ -67,13 +67,19 @@ class DecodeWorker:
             await self.lender.lend(reservation)
 
     def release(self, reservation: Reservation) -> None:
-        """Step 5: done, cancelled, expired or failed, everything the request holds is freed."""
+        """Step 5: done, cancelled, expired or failed, everything the request holds is freed (once: a second call,
+        from the call's end after its stream's own, does nothing)."""
+        if reservation.released:
+            return
+        reservation.released = True
         params = reservation.params
         if reservation.sequence is not None:
             self.engine.abort(reservation.sequence)
             record_sequence(self.metrics, reservation.sequence, colocated=bool(params.prompt))
             log.info("released after %d tokens (%s)", len(reservation.sequence.tokens),
                      "colocated" if params.prompt else "KV received")
+        else:
+            log.info("released before its KV was admitted (%s)", reservation.state.value)
         self.lender.retire(reservation)  # admitted KV took its segment already
         self.table.release(reservation)
         if reservation.transfer is not None and not reservation.transfer.done():

@@ -46,9 +46,13 @@ class KVPush:
         self._abandon.set()
 
     def cancel(self) -> None:
-        if self.call is not None and not self.call.done():
+        if self.call is None:
+            return
+        if not self.call.done():
             self.call.cancel()
-            self._items.put_nowait(None)
+        # End the request stream even when the call ended first (decode refused or released it): gRPC's task
+        # reading the stream does not stop with the call, and would wait for a next item until collected
+        self._items.put_nowait(None)
 
 
 @dataclass

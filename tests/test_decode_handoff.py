@@ -263,6 +263,57 @@ def test_a_request_cancelled_while_its_segment_is_being_made_gets_it_back(tiny_m
         pool.close()
 
 
+class _EndingContext:
+    """The little of grpc.aio.ServicerContext a reservation's stream uses, and the call's end, run by hand."""
+
+    def __init__(self) -> None:
+        self.done_callbacks: list = []
+
+    def add_done_callback(self, callback) -> None:
+        self.done_callbacks.append(callback)
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise AssertionError(f"not expected here: {code.name} {details}")
+
+    def end(self) -> None:
+        for callback in self.done_callbacks:
+            callback(self)
+
+
+def test_a_reservation_is_freed_when_its_call_ends_even_if_its_stream_is_never_closed(tiny_model_dir: Path) -> None:
+    """gRPC can stop iterating a stream (a cancel landing while it writes) and drop it unclosed; its own cleanup
+    then waits for the garbage collector. The call's end frees the reservation, its KV budget and segment."""
+    from decode_service.config import DecodeConfig
+    from decode_service.server import DecodeServicer
+    from model_runner.loading import ModelConfig
+    from serving.server import ServerConfig
+
+    config = DecodeConfig(server=ServerConfig(), model=ModelConfig(model=str(tiny_model_dir)), kv_warm_mb=0)
+    servicer = DecodeServicer(config, config.model.load())
+    worker, context = servicer.worker, _EndingContext()
+
+    def held() -> tuple[int, int, int]:
+        return worker.table.awaiting_kv, worker.table.kv_bytes, worker.lender.lent_bytes
+
+    async def dropped_stream() -> None:
+        stream = servicer._generate(decode_pb2.DecodeRequest(
+            request_id="dropped", prompt_tokens=PROMPT_TOKENS, max_tokens=4, sampling=GREEDY), context)  # type: ignore[arg-type]
+        assert (await stream.__anext__()).WhichOneof("event") == "reserved"
+        waiting = asyncio.ensure_future(stream.__anext__())  # in its relay, waiting for KV that never comes
+        await asyncio.sleep(0.05)
+        assert held()[:2] != (0, 0)
+        context.end()  # the call ends; nobody closes the stream
+        assert held() == (0, 0, 0)
+        waiting.cancel()  # the stream's own cleanup, later, releases nothing twice
+        await asyncio.gather(waiting, return_exceptions=True)
+        assert held() == (0, 0, 0)
+
+    try:
+        asyncio.run(dropped_stream())
+    finally:
+        worker.lender.close()
+
+
 def test_admitted_kv_gives_its_segment_back_and_an_unfinished_writer_retires_its_segment(
     decode, tiny_cluster: Cluster
 ) -> None:

@@ -103,6 +103,9 @@ class _Context:
     async def abort(self, code: grpc.StatusCode, details: str) -> None:
         raise _Refused(code, details)
 
+    def add_done_callback(self, callback: object) -> None:
+        pass  # the call's end: not reached here
+
 
 def test_both_services_hand_a_migrated_stream_s_decoded_tokens_to_their_engine(tiny_model_dir: Path) -> None:
     """What makes a migration bit-identical (the engine replays the sent tokens, tests/test_fast_runner.py) needs

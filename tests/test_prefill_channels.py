@@ -122,3 +122,56 @@ def test_the_prefill_service_lets_go_of_channels_to_decode_workers_that_went_awa
             await prefill.worker.close()
 
     asyncio.run(run())
+
+
+def test_a_kv_push_whose_call_decode_ended_stops_reading_its_stream_once_cancelled() -> None:
+    """Decode refuses (or releases) a transfer mid-stream: the call ends, but gRPC's task reading the request
+    stream still waits for a next layer. The push's cancel ends the stream, so no task is left pending until the
+    garbage collector finds it (asyncio then logs "Task was destroyed but it is pending!")."""
+    import threading
+
+    import torch
+
+    from decode_service.handlers import SERVICE
+    from kv_wire import codec
+    from kv_wire.layout import KVLayout
+    from kv_wire.sender import KVSender
+    from prefill_service.kv_push import KVPush
+    from protos import kv_transfer_pb2
+
+    async def refuse(request_iterator, context):  # decode, refusing the stream after its header
+        await anext(aiter(request_iterator))
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, "no live reservation")
+
+    def readers() -> list[asyncio.Task]:
+        return [t for t in asyncio.all_tasks() if "_consume_request_iterator" in repr(t.get_coro())]
+
+    async def run() -> None:
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {
+            "TransferKV": grpc.stream_unary_rpc_method_handler(
+                refuse, request_deserializer=codec.decode,
+                response_serializer=kv_transfer_pb2.KVTransferAck.SerializeToString)})])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        try:
+            layout = KVLayout(2, 2, 8, 5, "float32")
+            push = KVPush(channel, KVSender("r1", "token", "fp", layout, 64), threading.Event())
+            kv = torch.zeros(layout.tensor_shape)
+            push.deliver((0, kv, kv))
+            assert push.call is not None
+            with pytest.raises(grpc.aio.AioRpcError):
+                await asyncio.wait_for(push.call, 30)
+            assert readers()  # the call is over; gRPC's reader of the stream still waits for a next layer
+            push.cancel()
+            for _ in range(100):
+                if not readers():
+                    break
+                await asyncio.sleep(0.01)
+            assert not readers()
+        finally:
+            await channel.close()
+            await server.stop(None)
+
+    asyncio.run(run())
