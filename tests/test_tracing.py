@@ -148,7 +148,7 @@ def test_log_lines_about_a_request_carry_its_trace_and_request_ids(traced: Trace
     while True:
         lines = [json.loads(line) for line in traced.logs.read_text().splitlines() if line.startswith("{")]
         mine = [line for line in lines if line.get("request_id") == "logged-1"]
-        if {"gateway.core", "prefill_service.server", "decode_service.server"} <= {m["logger"] for m in mine}:
+        if {"gateway.core", "prefill_service.server", "decode_service.worker"} <= {m["logger"] for m in mine}:
             break
         assert time.monotonic() < deadline, mine
         time.sleep(0.1)
