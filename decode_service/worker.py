@@ -65,20 +65,21 @@ class DecodeWorker:
                                       params.cache_salt)
         else:
             await self.lender.lend(reservation)
+        if reservation.released:  # the call ended while its segment was being made
+            self.lender.retire(reservation)
 
     def release(self, reservation: Reservation) -> None:
-        """Step 5: done, cancelled, expired or failed, everything the request holds is freed (once: a second call,
-        from the call's end after its stream's own, does nothing)."""
-        if reservation.released:
-            return
+        """Step 5: done, cancelled, expired or failed, everything the request holds is freed. Called twice (the
+        call's end, then its stream's own cleanup), the second frees what came since and counts nothing again."""
+        params, first = reservation.params, not reservation.released
         reservation.released = True
-        params = reservation.params
         if reservation.sequence is not None:
             self.engine.abort(reservation.sequence)
-            record_sequence(self.metrics, reservation.sequence, colocated=bool(params.prompt))
-            log.info("released after %d tokens (%s)", len(reservation.sequence.tokens),
-                     "colocated" if params.prompt else "KV received")
-        else:
+            if first:
+                record_sequence(self.metrics, reservation.sequence, colocated=bool(params.prompt))
+                log.info("released after %d tokens (%s)", len(reservation.sequence.tokens),
+                         "colocated" if params.prompt else "KV received")
+        elif first:
             log.info("released before its KV was admitted (%s)", reservation.state.value)
         self.lender.retire(reservation)  # admitted KV took its segment already
         self.table.release(reservation)
