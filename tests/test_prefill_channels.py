@@ -139,8 +139,14 @@ def test_a_kv_push_whose_call_decode_ended_stops_reading_its_stream_once_cancell
     from prefill_service.kv_push import KVPush
     from protos import kv_transfer_pb2
 
-    async def refuse(request_iterator, context):  # decode, refusing the stream after its header
-        await anext(aiter(request_iterator))
+    layout = KVLayout(2, 2, 8, 5, "float32")
+    kv = torch.zeros(layout.tensor_shape)
+    sent = 1 + len(list(KVSender("r1", "token", "fp", layout, 64).encode([(0, kv, kv)])))  # header and layer 0
+
+    async def refuse(request_iterator, context):  # decode, refusing the stream once all it was sent is in
+        messages = aiter(request_iterator)
+        for _ in range(sent):
+            await anext(messages)
         await context.abort(grpc.StatusCode.PERMISSION_DENIED, "no live reservation")
 
     def readers() -> list[asyncio.Task]:
@@ -156,14 +162,12 @@ def test_a_kv_push_whose_call_decode_ended_stops_reading_its_stream_once_cancell
         await server.start()
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         try:
-            layout = KVLayout(2, 2, 8, 5, "float32")
             push = KVPush(channel, KVSender("r1", "token", "fp", layout, 64), threading.Event())
-            kv = torch.zeros(layout.tensor_shape)
             push.deliver((0, kv, kv))
             assert push.call is not None
             with pytest.raises(grpc.aio.AioRpcError):
                 await asyncio.wait_for(push.call, 30)
-            assert readers()  # the call is over; gRPC's reader of the stream still waits for a next layer
+            assert readers()  # the call is over; gRPC's reader of the stream, all sent, waits for a next layer
             push.cancel()
             for _ in range(100):
                 if not readers():
