@@ -75,7 +75,6 @@ class Reservation:
     segment: Segment | None = None  # shared-memory segment lent to prefill until the KV is admitted
     transfer: asyncio.Task | None = None  # the TransferKV handler that claimed this reservation
     feed: Any = None  # split prefill: the engine's PrefixFeed, which the KV stream fills layer by layer
-    released: bool = False  # everything it held is freed (DecodeWorker.release)
     # What the Generate stream relays: (token_ids, finish_reason) tuples or one Failure.
     events: asyncio.Queue[tuple[list[int], str] | Failure] = field(default_factory=asyncio.Queue)
 

@@ -65,14 +65,13 @@ class DecodeWorker:
                                       params.cache_salt)
         else:
             await self.lender.lend(reservation)
-        if reservation.released:  # the call ended while its segment was being made
+        if reservation.state is ReservationState.CLOSED:  # the call ended while its segment was being made
             self.lender.retire(reservation)
 
     def release(self, reservation: Reservation) -> None:
         """Step 5: done, cancelled, expired or failed, everything the request holds is freed. Called twice (the
         call's end, then its stream's own cleanup), the second frees what came since and counts nothing again."""
-        params, first = reservation.params, not reservation.released
-        reservation.released = True
+        params, first = reservation.params, reservation.state is not ReservationState.CLOSED  # table.release closes
         if reservation.sequence is not None:
             self.engine.abort(reservation.sequence)
             if first:
