@@ -98,8 +98,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         except CapacityExhausted as exc:
             worker.metrics.count("pdserve_rejections")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker full: {exc}")
-        # The call's end frees the request too: a stream gRPC stops iterating and drops unclosed (a cancel landing
-        # as it writes) is closed only when collected, which a cycle can put off past the lease.
+        # The call's end frees the request too, whatever keeps the stream's own cleanup from running (a stream
+        # dropped unclosed waits for the collector; a soak once saw a reservation held past its call's end).
         context.add_done_callback(lambda _: worker.release(reservation))
         try:
             await worker.start(reservation)
